@@ -1,0 +1,10 @@
+"""fastdeploy_lp: a Paddle LLM inference engine whose sampling path is a registered pipeline of
+logits processors, with an OpenAI-compatible server and an offline API."""
+
+from .config import FDConfig, ModelConfig
+from .engine import LLM, LLMEngine, RequestOutput
+from .sampling_params import GuidedDecodingParams, SamplingParams
+
+__all__ = ["FDConfig", "GuidedDecodingParams", "LLM", "LLMEngine", "ModelConfig", "RequestOutput",
+           "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,222 @@
+"""`LLMEngine`: requests in, one continuous-batching step at a time, `RequestOutput`s out.
+
+One step: admit waiting requests into free slots → `pipeline.update_state(share_inputs)` → one
+forward pass over every active slot (prompts of new slots, the last token of running ones) →
+`pipeline.apply(logits)` → sampler → append tokens, detokenize, check stops, free finished slots.
+
+`add_request` and `abort_request` may be called from any thread (the server's event loop);
+`step` runs on one engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from ..config import FDConfig
+from ..processors.builtin.bad_words import word_sequences
+from ..processors.pipeline import LogitsProcessorPipeline
+from ..sampling_params import SamplingParams
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .request import FinishReason, Request, RequestOutput
+from .runner import ModelRunner, SlotFeed
+from .sampler import Sampler
+from .scheduler import SlotScheduler
+
+logger = logging.getLogger(__name__)
+
+
+def leading_processors(fd_config: FDConfig) -> list:
+    """Processors the engine installs ahead of the registered ones (guided decoding)."""
+    if fd_config.guided_decoding_backend == "off":
+        return []
+    try:
+        from ..processors.guided import GuidedDecodingLogitsProcessor
+    except ImportError:  # guided decoding not available in this build
+        return []
+    return [GuidedDecodingLogitsProcessor(fd_config)]
+
+
+class LLMEngine:
+    def __init__(self, fd_config: FDConfig):
+        self.fd_config = fd_config
+        cfg = fd_config.model_config
+        self.tokenizer = Tokenizer(cfg.model)
+        fd_config.tokenizer = self.tokenizer
+        eos = list(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(fd_config)
+        self.pipeline = LogitsProcessorPipeline(fd_config, fd_config.logits_processors,
+                                                leading=leading_processors(fd_config))
+        self.scheduler = SlotScheduler(fd_config.max_num_seqs)
+        self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
+        self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.num_steps = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> list[str]:
+        """Validate and queue one prompt; returns the ids of its `params.n` sequences.
+
+        Raises `ValueError` naming the offending field; nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError("prompt: must be a string or a list of token ids")
+        params = self._check(ids, params)
+        args = self.pipeline.validate(params)
+        bad_words = word_sequences(self.tokenizer, params.bad_words or [])
+        request_id = request_id or uuid.uuid4().hex
+        ids_out = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            seed = None if params.seed is None else params.seed + i
+            self._incoming.put(Request(
+                request_id=child_id, group_id=request_id, prompt_ids=ids, params=params, prompt=text, index=i, args=args,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output),
+                rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng(),
+                bad_word_ids=bad_words))
+            ids_out.append(child_id)
+        with self._lock:
+            self._pending += params.n
+        return ids_out
+
+    def _check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        vocab, limit = self.fd_config.model_config.vocab_size, self.fd_config.max_model_len
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in 0..{vocab - 1}")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit}")
+        for field, tokens in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in tokens if t < 0 or t >= vocab]
+            if bad:
+                raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        room = limit - len(ids)
+        if params.max_tokens is None:
+            return params.clone(max_tokens=room)
+        if params.max_tokens > room:
+            raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"max_model_len={limit}; at most {room} tokens can be generated")
+        return params
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request (and its `n` siblings); its slot is freed at the next step."""
+        self._aborts.put(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self._pending > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._incoming.qsize()
+
+    def processor_timings(self) -> dict[str, Any]:
+        return {name: vars(t).copy() for name, t in self.pipeline.timings.items()}
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        finished: list[Request] = []
+        self._drain_inbox(finished)
+        new = {r.slot for r in self.scheduler.admit()}
+        for slot in new:
+            self.sampler.on_admit(self.scheduler.slots[slot])
+        share_inputs = self.scheduler.share_inputs
+
+        failures = self.pipeline.update_state(share_inputs)
+        while failures:  # fail those requests, then let every processor see the smaller batch
+            for slot, message in failures.items():
+                self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
+            failures = self.pipeline.update_state(share_inputs)
+
+        running = self.scheduler.running
+        if running:
+            self._decode(running, new, finished)
+        self.num_steps += 1
+        return [r.to_output() for r in self._touched(running, finished)]
+
+    def _decode(self, running: list[Request], new: set[int], finished: list[Request]) -> None:
+        feeds = [SlotFeed(r.slot, list(r.prompt_ids), 0) if r.slot in new
+                 else SlotFeed(r.slot, [r.output_ids[-1]], len(r.prompt_ids) + len(r.output_ids) - 1)
+                 for r in running]
+        logits = self.runner.forward(feeds)
+        logits, failures = self.pipeline.apply(logits, self.scheduler.share_inputs,
+                                               all_greedy=all(r.params.greedy for r in running))
+        result = self.sampler.sample(logits, running)
+        now = time.monotonic()
+        for row, request in enumerate(running):
+            if request.slot in failures:
+                self._finish(request, FinishReason.ERROR, finished, failures[request.slot])
+                continue
+            self._append(request, int(result.tokens[row]), result.logprobs[row], now, finished)
+
+    def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
+        p = request.params
+        request.output_ids.append(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.scheduler.record_token(request, token)
+        stop_token = (token in p.stop_token_ids) or (token in self.eos_token_ids and not p.ignore_eos)
+        if not stop_token:
+            request.detokenizer.add(token)
+        if stop_token or request.detokenizer.stopped_on is not None:
+            self._finish(request, FinishReason.STOP, finished)
+        elif len(request.output_ids) >= p.max_tokens:
+            self._finish(request, FinishReason.LENGTH, finished)
+
+    def _finish(self, request: Request, reason: FinishReason, finished: list[Request], error: str | None = None):
+        if request.finished:
+            return
+        request.finish_reason = reason
+        request.error = error
+        self.scheduler.free(request)
+        finished.append(request)
+        with self._lock:
+            self._pending -= 1
+
+    def _drain_inbox(self, finished: list[Request]) -> None:
+        while not self._incoming.empty():
+            self.scheduler.waiting.append(self._incoming.get())
+        aborted = set()
+        while not self._aborts.empty():
+            aborted.add(self._aborts.get())
+        if not aborted:
+            return
+        matches = lambda r: r.request_id in aborted or r.group_id in aborted  # noqa: E731
+        for r in [r for r in self.scheduler.waiting if matches(r)]:
+            self.scheduler.waiting.remove(r)
+            self._finish(r, FinishReason.ABORT, finished)
+        for r in [r for r in self.scheduler.running if matches(r)]:
+            self._finish(r, FinishReason.ABORT, finished)
+
+    @staticmethod
+    def _touched(running: list[Request], finished: list[Request]) -> list[Request]:
+        seen, out = set(), []
+        for r in running + finished:
+            if id(r) not in seen:
+                seen.add(id(r))
+                out.append(r)
+        return out

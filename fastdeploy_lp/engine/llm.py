@@ -1,0 +1,93 @@
+"""The offline API: `LLM(...).generate()` and `.chat()`, FastDeploy's shapes and argument names."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from ..config import FDConfig
+from ..sampling_params import SamplingParams
+from .engine import LLMEngine
+from .request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline batched generation.
+
+        llm = LLM(logits_processors=["LogitBiasLogitsProcessor"])
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32))
+        print(out[0].outputs.text)
+
+    `model` defaults to the model that ships with the package. `engine_worker_queue_port` and
+    `cache_queue_port` are accepted (and unused: there is one process) so FastDeploy snippets run.
+    """
+
+    def __init__(self, model: str | None = None, *, logits_processors: list[str] | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
+                 dtype: str | None = None, guided_decoding_backend: str = "llguidance",
+                 engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
+                 **unsupported: Any):
+        if unsupported:
+            raise ValueError(f"{next(iter(unsupported))}: not an LLM() argument")
+        if logits_processors is not None and not isinstance(logits_processors, (list, tuple)):
+            raise ValueError("logits_processors: must be a list of processor names")
+        self.fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                         device=device, dtype=dtype, logits_processors=list(logits_processors or []),
+                                         guided_decoding_backend=guided_decoding_backend)
+        self.engine = LLMEngine(self.fd_config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt (per choice when `n > 1`), in the order given."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: must not be empty")
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tools=tools,
+                                                      **(chat_template_kwargs or {})) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts, sampling_params, use_tqdm) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        order: list[str] = []
+        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
+            self.engine._check(self._ids(prompt), p)
+            self.engine.pipeline.validate(p)
+        for prompt, p in zip(prompts, params):
+            order += self.engine.add_request(prompt, p)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="Generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in order]
+
+    def _ids(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)

@@ -1,0 +1,169 @@
+"""Turning the processed logits of a batch into one token per row.
+
+Order (DESIGN.md): penalties (repetition over prompt+output, frequency/presence over output) →
+logit_bias → min_tokens / bad words → temperature → min_p → top-k/top-p → sample. Everything is
+batched on the logits' device; the only host transfer is the sampled ids (and the logprobs of
+requests that ask for them).
+
+Sampling is inverse-CDF with one uniform number per row drawn from the request's own generator,
+so a request with a seed produces the same text whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from ..processors.builtin.bad_words import banned_next_tokens
+from ..processors.tensor_ops import add_at, fill_at
+from .request import Logprob, Request
+
+
+@dataclass
+class SampleResult:
+    tokens: np.ndarray                  # [rows] int64
+    logprobs: list[Logprob | None]      # per row, for requests that asked
+
+
+def _uses_penalties(request: Request) -> bool:
+    p = request.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: list[int]):
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._counts: paddle.Tensor | None = None       # [slots, vocab] output token counts
+        self._in_prompt: paddle.Tensor | None = None    # [slots, vocab] prompt membership
+
+    def on_admit(self, request: Request) -> None:
+        """Reset the penalty state of the request's slot."""
+        if not _uses_penalties(request):
+            return
+        if self._counts is None:
+            self._counts = paddle.zeros([self.max_num_seqs, self.vocab_size], dtype="float32")
+            self._in_prompt = paddle.zeros([self.max_num_seqs, self.vocab_size], dtype="bool")
+        prompt = np.bincount(np.asarray(request.prompt_ids, dtype=np.int64), minlength=self.vocab_size) > 0
+        self._counts[request.slot] = paddle.zeros([self.vocab_size], dtype="float32")
+        self._in_prompt[request.slot] = paddle.to_tensor(prompt[: self.vocab_size])
+
+    def sample(self, logits: paddle.Tensor, requests: list[Request]) -> SampleResult:
+        logits = logits.astype("float32")
+        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_bias_and_bans(logits, requests)
+        logprobs = self._logprobs(logits, requests)
+
+        greedy = [r.params.greedy for r in requests]
+        argmax = paddle.argmax(logits, axis=-1)
+        if all(greedy):
+            tokens = argmax
+        else:
+            tokens = paddle.where(paddle.to_tensor(greedy), argmax, self._draw(logits, requests))
+        tokens = tokens.numpy().astype(np.int64)
+        self._count(requests, tokens)
+        return SampleResult(tokens, self._pick_logprobs(logprobs, tokens, requests))
+
+    # -- stages -----------------------------------------------------------------------------------
+    def _apply_penalties(self, logits, requests):
+        rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
+        if not rows:
+            return logits
+        slots = paddle.to_tensor([requests[i].slot for i in rows], dtype="int64")
+        counts = paddle.index_select(self._counts, slots)
+        seen = paddle.logical_or(counts > 0, paddle.index_select(self._in_prompt, slots))
+        column = lambda xs: paddle.to_tensor(xs, dtype="float32").unsqueeze(1)  # noqa: E731
+        rep = column([requests[i].params.repetition_penalty for i in rows])
+        freq = column([requests[i].params.frequency_penalty for i in rows])
+        pres = column([requests[i].params.presence_penalty for i in rows])
+        row_index = paddle.to_tensor(rows, dtype="int64")
+        part = paddle.index_select(logits, row_index)
+        part = paddle.where(seen, paddle.where(part > 0, part / rep, part * rep), part)
+        part = part - freq * counts - pres * (counts > 0).astype("float32")
+        return paddle.scatter(logits, row_index, part, overwrite=True)
+
+    def _apply_bias_and_bans(self, logits, requests):
+        bias_rows, bias_cols, bias_vals, ban_rows, ban_cols = [], [], [], [], []
+        for i, r in enumerate(requests):
+            p = r.params
+            for token, bias in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_cols.append(token)
+                bias_vals.append(bias)
+            banned = set()
+            if len(r.output_ids) < p.min_tokens:
+                banned.update(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.update(self.eos_token_ids)
+            if r.bad_word_ids:
+                banned.update(banned_next_tokens(r.prompt_ids[-r.max_bad_word_len:] + r.output_ids, r.bad_word_ids))
+            ban_rows += [i] * len(banned)
+            ban_cols += sorted(banned)
+        logits = add_at(logits, bias_rows, bias_cols, bias_vals)
+        return fill_at(logits, ban_rows, ban_cols)
+
+    def _draw(self, logits, requests):
+        temps = paddle.to_tensor([r.params.temperature or 1.0 for r in requests], dtype="float32").unsqueeze(1)
+        probs = F.softmax(logits / temps, axis=-1)
+        min_p = [r.params.min_p for r in requests]
+        if any(min_p):
+            floor = paddle.to_tensor(min_p, dtype="float32").unsqueeze(1) * probs.max(axis=-1, keepdim=True)
+            probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
+        top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        uniforms = paddle.to_tensor([[r.rng.random()] for r in requests], dtype="float32")
+        if min(top_k) >= logits.shape[-1] and min(top_p) >= 1.0:
+            return self._inverse_cdf(probs, uniforms)
+        order = paddle.argsort(probs, axis=-1, descending=True)
+        sorted_probs = paddle.take_along_axis(probs, order, axis=1)
+        rank = paddle.arange(logits.shape[-1], dtype="int64").unsqueeze(0)
+        keep = rank < paddle.to_tensor(top_k, dtype="int64").unsqueeze(1)
+        mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep = paddle.logical_and(keep, paddle.logical_or(
+            mass_before < paddle.to_tensor(top_p, dtype="float32").unsqueeze(1), rank == 0))
+        sorted_probs = paddle.where(keep, sorted_probs, paddle.zeros_like(sorted_probs))
+        picked = self._inverse_cdf(sorted_probs, uniforms)
+        return paddle.take_along_axis(order, picked.unsqueeze(1), axis=1).squeeze(1)
+
+    @staticmethod
+    def _inverse_cdf(probs, uniforms):
+        cdf = paddle.cumsum(probs, axis=-1)
+        target = uniforms * cdf[:, -1:]
+        index = paddle.searchsorted(cdf, target, right=True).squeeze(1)
+        return paddle.clip(index, max=probs.shape[-1] - 1)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _count(self, requests, tokens):
+        rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
+        if rows:
+            self._counts = add_at(self._counts, [requests[i].slot for i in rows], [int(tokens[i]) for i in rows],
+                                  [1.0] * len(rows))
+
+    @staticmethod
+    def _logprobs(logits, requests):
+        if all(r.params.logprobs is None for r in requests):
+            return None
+        return F.log_softmax(logits, axis=-1)
+
+    @staticmethod
+    def _pick_logprobs(logprobs, tokens, requests) -> list[Logprob | None]:
+        if logprobs is None:
+            return [None] * len(requests)
+        k = max(r.params.logprobs or 0 for r in requests)
+        chosen = paddle.take_along_axis(logprobs, paddle.to_tensor(tokens).unsqueeze(1), axis=1).squeeze(1).numpy()
+        top_vals, top_ids = (paddle.topk(logprobs, k, axis=-1) if k else (None, None))
+        top_vals = top_vals.numpy() if k else None
+        top_ids = top_ids.numpy() if k else None
+        out = []
+        for i, r in enumerate(requests):
+            want = r.params.logprobs
+            if want is None:
+                out.append(None)
+                continue
+            top = {int(t): float(v) for t, v in zip(top_ids[i, :want], top_vals[i, :want])} if want else {}
+            out.append(Logprob(int(tokens[i]), float(chosen[i]), top))
+        return out

@@ -1,0 +1,63 @@
+"""The Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) in one class.
+
+The architectures on the Hub differ only in switches that `ModelConfig` already reads, so one
+`DecoderForCausalLM` covers them all.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from ..config import ModelConfig
+from .layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch, rotary, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Layer):
+    """`forward(input_ids, batch, kv_caches)` returns hidden states; `logits(hidden)` the scores.
+
+    Without a cache (`kv_caches=None`) the input is one sequence run causally, which is what
+    training and the reference tests use; the engine always passes the slot cache.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else self.create_parameter([config.hidden_size, config.vocab_size]))
+
+    def forward(self, input_ids: paddle.Tensor, batch: AttentionBatch, kv_caches=None) -> paddle.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
+        return self.norm(x)
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.lm_head is None:
+            out = paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
+        else:
+            out = paddle.matmul(hidden, self.lm_head)
+        return out.astype("float32")
+
+    def full_logits(self, input_ids: list[int]) -> paddle.Tensor:
+        """Logits at every position of one sequence, without a cache: [len, vocab] float32."""
+        ids = paddle.to_tensor(input_ids, dtype="int64")
+        batch = AttentionBatch(positions=paddle.arange(len(input_ids), dtype="int64"))
+        return self.logits(self.forward(ids, batch))

@@ -1,0 +1,188 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention over a slot KV cache.
+
+Linear weights are stored `[in, out]` (Paddle's convention) so every projection is one `matmul`;
+q/k/v and gate/up are fused into one weight each, which halves the kernel launches per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([size], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        # Normalise in float32 like the reference implementation, then cast back.
+        x32 = x.astype("float32")
+        x32 = x32 * paddle.rsqrt(x32.pow(2).mean(axis=-1, keepdim=True) + self.eps)
+        return self.weight * x32.astype(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> paddle.Tensor:
+    """Per-pair rotation frequencies, with the `linear` or `llama3` scaling the config asks for."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (paddle.arange(0, dim, 2, dtype="float64") / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = paddle.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = paddle.where(medium, smoothed, scaled)
+    return inv_freq.astype("float32")
+
+
+class RotaryEmbedding(nn.Layer):
+    """Precomputed cos/sin tables; `forward` rotates q or k at the given absolute positions."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config)
+        t = paddle.arange(max_positions, dtype="float32")
+        freqs = paddle.outer(t, inv_freq)
+        emb = paddle.concat([freqs, freqs], axis=-1)
+        self.register_buffer("cos", emb.cos(), persistable=False)
+        self.register_buffer("sin", emb.sin(), persistable=False)
+
+    def tables(self, positions: paddle.Tensor, dtype) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos/sin of shape [tokens, 1, head_dim] for a flat list of positions."""
+        cos = paddle.index_select(self.cos, positions).unsqueeze(1).astype(dtype)
+        sin = paddle.index_select(self.sin, positions).unsqueeze(1).astype(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+    half = x.shape[-1] // 2
+    rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionBatch:
+    """Where the tokens of one forward pass sit in the KV cache.
+
+    Tokens are flattened: `positions[i]` is token i's absolute position and `cache_rows[i]` the
+    row of the flattened `[slots * max_len]` cache it writes. Sequences are contiguous runs of
+    tokens, all of the same count in one pass: `seq_slots[s]` is sequence s's slot, `seq_new[s]`
+    its token count in this pass and `seq_lens[s]` its total length after it. `None` cache means a plain causal pass (training).
+    """
+
+    positions: paddle.Tensor
+    cache_rows: paddle.Tensor | None = None
+    seq_slots: list[int] | None = None
+    seq_new: list[int] | None = None
+    seq_lens: list[int] | None = None
+    max_len: int = 0
+
+
+class Attention(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        self.qkv_weight = self.create_parameter([hidden, self.q_size + 2 * self.kv_size])
+        self.qkv_bias = (self.create_parameter([self.q_size + 2 * self.kv_size], is_bias=True)
+                         if config.attention_bias else None)
+        self.o_weight = self.create_parameter([self.q_size, hidden])
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
+        # x: [tokens, hidden] (the batch is flattened to tokens)
+        qkv = paddle.matmul(x, self.qkv_weight)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+        q = q.reshape([-1, self.num_heads, self.head_dim])
+        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
+        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary.tables(batch.positions, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if kv_cache is None:
+            out = self._causal(q, k, v)
+        else:
+            k_cache, v_cache = kv_cache
+            k_cache.scatter_(batch.cache_rows, k, overwrite=True)
+            v_cache.scatter_(batch.cache_rows, v, overwrite=True)
+            out = self._cached(q, batch, k_cache, v_cache)
+        return paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
+
+    def _causal(self, q, k, v):
+        """One sequence, all positions (training and tests): [T, H, D] -> [T, H, D]."""
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), self._repeat_kv(k).unsqueeze(0), self._repeat_kv(v).unsqueeze(0),
+            is_causal=True).squeeze(0)
+
+    def _repeat_kv(self, x):
+        group = self.num_heads // self.num_kv_heads
+        return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
+
+    def _cached(self, q, batch: AttentionBatch, k_cache, v_cache):
+        """Attention of new tokens over their sequences' cached keys (prefill or batched decode)."""
+        slots = paddle.to_tensor(batch.seq_slots, dtype="int64")
+        span = max(batch.seq_lens)
+        shape = [-1, batch.max_len, self.num_kv_heads, self.head_dim]
+        keys = paddle.index_select(k_cache.reshape(shape), slots)[:, :span]    # [S, L, Hkv, D]
+        values = paddle.index_select(v_cache.reshape(shape), slots)[:, :span]
+        seqs, new = len(batch.seq_slots), max(batch.seq_new)
+        if len(set(batch.seq_new)) != 1:
+            raise ValueError("sequences of one cached pass must add the same number of tokens")
+        group = self.num_heads // self.num_kv_heads
+        # [S, Hkv, group, new, D] x [S, Hkv, 1, D, L] -> scores [S, Hkv, group, new, L]
+        q = q.reshape([seqs, new, self.num_kv_heads, group, self.head_dim]).transpose([0, 2, 3, 1, 4])
+        keys = keys.transpose([0, 2, 3, 1]).unsqueeze(2)
+        values = values.transpose([0, 2, 1, 3]).unsqueeze(2)
+        scores = paddle.matmul(q, keys) * self.scale
+        scores = scores.astype("float32") + self._mask(batch, new, span)
+        probs = F.softmax(scores, axis=-1).astype(q.dtype)
+        out = paddle.matmul(probs, values)                                        # [S, Hkv, g, new, D]
+        return out.transpose([0, 3, 1, 2, 4]).reshape([-1, self.num_heads, self.head_dim])
+
+    @staticmethod
+    def _mask(batch: AttentionBatch, new: int, span: int) -> paddle.Tensor:
+        """Additive mask [S, 1, 1, new, L]: key j is visible to new token i of sequence s when
+        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
+        lens = paddle.to_tensor(batch.seq_lens, dtype="int64").reshape([-1, 1, 1])
+        i = paddle.arange(new, dtype="int64").reshape([1, -1, 1])
+        j = paddle.arange(span, dtype="int64").reshape([1, 1, -1])
+        visible = j <= lens - new + i
+        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
+        return mask.unsqueeze(1).unsqueeze(1)
+
+
+class MLP(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_weight = self.create_parameter([config.hidden_size, 2 * config.intermediate_size])
+        self.down_weight = self.create_parameter([config.intermediate_size, config.hidden_size])
+
+    def forward(self, x):
+        gate, up = paddle.split(paddle.matmul(x, self.gate_up_weight), 2, axis=-1)
+        return paddle.matmul(F.silu(gate) * up, self.down_weight)

@@ -1,0 +1,1 @@
+"""FastDeploy-compatible import paths, so published processors run after renaming the package."""

@@ -1,0 +1,7 @@
+"""Tokenizers (`tokenizer.json` / `tokenizer.model`), chat templates and incremental detokenization."""
+
+from .chat_template import ChatTemplate
+from .detokenizer import IncrementalDetokenizer
+from .tokenizer import Tokenizer
+
+__all__ = ["ChatTemplate", "IncrementalDetokenizer", "Tokenizer"]

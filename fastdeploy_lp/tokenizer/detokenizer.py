@@ -1,0 +1,59 @@
+"""Incremental detokenization with stop strings.
+
+Decoding one token at a time is wrong for byte-level and byte-fallback vocabularies (a Chinese
+character or an emoji can span several tokens) and for sentencepiece (a piece's leading space
+depends on what came before). `IncrementalDetokenizer` decodes a short sliding window, the way
+vLLM does, and releases text only once it no longer ends in a partial character.
+"""
+
+from __future__ import annotations
+
+from .tokenizer import Tokenizer
+
+_CONTEXT = 6  # prompt tokens kept as left context so the first output piece decodes as in the middle
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""          # all text decoded so far (stop string cut off once found)
+        self._emitted = 0       # characters of `text` already handed out
+        self.stopped_on: str | None = None
+
+    def add(self, token_id: int) -> None:
+        """Feed one generated token; may find a stop string (then `stopped_on` is set)."""
+        self._ids.append(int(token_id))
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read])
+        after = decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # a multi-byte character is not complete yet
+        new = after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        for s in self.stop:
+            at = self.text.find(s, start)
+            if at >= 0 and (self.stopped_on is None or at < self._stop_at):
+                self.stopped_on, self._stop_at = s, at
+        if self.stopped_on is not None:
+            end = self._stop_at + (len(self.stopped_on) if self.include_stop else 0)
+            self.text = self.text[:end]
+
+    @property
+    def released_text(self) -> str:
+        return self.text[:self._emitted]
+
+    def take_delta(self, final: bool) -> str:
+        """Text not handed out yet. While running, keep back a tail that could start a stop string."""
+        end = len(self.text) if final or self.stopped_on is not None else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,196 @@
+"""One tokenizer interface over `tokenizer.json` (Hugging Face `tokenizers`) and `tokenizer.model`
+(`sentencepiece`), with the checkpoint's chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from typing import Any
+
+from .chat_template import ChatTemplate
+
+# transformers >= 5 builds the Qwen2 tokenizer's pre-tokenizer in code (digits one by one, a space
+# before a number kept apart) whatever `tokenizer.json` says; we do the same so ids match it.
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_CODE_DEFINED_PRETOKENIZERS = {"qwen2": _QWEN2_SPLIT, "qwen3": _QWEN2_SPLIT}
+
+
+class Tokenizer:
+    """`encode`/`decode` text, render chats, and expose the vocabulary as bytes (for grammars)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        self.config: dict[str, Any] = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                self.config = json.load(f)
+        json_path = os.path.join(model_dir, "tokenizer.json")
+        sp_path = os.path.join(model_dir, "tokenizer.model")
+        if os.path.isfile(json_path):
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._hf = HFTokenizer.from_file(json_path)
+            _apply_code_defined_pretokenizer(self._hf, _model_type(model_dir))
+            self._sp = None
+            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        elif os.path.isfile(sp_path):
+            import sentencepiece as spm
+
+            self._hf = None
+            self._sp = spm.SentencePieceProcessor(model_file=sp_path)
+            self.vocab_size = self._sp.get_piece_size()
+        else:
+            raise FileNotFoundError(f"model: no tokenizer.json or tokenizer.model in {model_dir!r}")
+        self.chat_template = ChatTemplate.from_model_dir(model_dir, self.config)
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token = _token_text(self.config.get("bos_token"))
+
+    # -- ids ------------------------------------------------------------------------------------
+    def token_to_id(self, token: str) -> int | None:
+        if self._hf is not None:
+            return self._hf.token_to_id(token)
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token) if self.bos_token else None
+
+    @cached_property
+    def special_token_ids(self) -> set[int]:
+        if self._hf is not None:
+            return {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        sp = self._sp
+        return {i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i)}
+
+    # -- text -----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in the text (`<|im_end|>`) map to their ids."""
+        if self._hf is not None:
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode_sentencepiece(text)
+        if add_special_tokens and self._sp.bos_id() >= 0:
+            ids = [self._sp.bos_id()] + ids
+        return ids
+
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        # sentencepiece never maps control-symbol text to its id, so split on them first.
+        specials = sorted((self._sp.id_to_piece(i) for i in self.special_token_ids
+                           if not self._sp.is_unknown(i)), key=len, reverse=True)
+        ids: list[int] = []
+        rest = text
+        while rest:
+            hit = min(((rest.find(s), s) for s in specials if s and s in rest), default=None)
+            if hit is None:
+                ids += self._sp.encode(rest)
+                break
+            at, special = hit
+            if at:
+                ids += self._sp.encode(rest[:at])
+            ids.append(self._sp.piece_to_id(special))
+            rest = rest[at + len(special):]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not skip_special_tokens:
+            pieces, run = [], []
+            for i in ids:
+                if i in self.special_token_ids:
+                    pieces += [self._sp.decode(run), self._sp.id_to_piece(i)]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(pieces + [self._sp.decode(run)])
+        return self._sp.decode([i for i in ids if i not in self.special_token_ids])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **kwargs)
+
+    # -- vocabulary as bytes (grammar engines need it) -------------------------------------------
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for when it appears in the middle of a text."""
+        if self._hf is not None:
+            return _hf_token_bytes(self._hf, self.vocab_size)
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(piece.encode("utf-8"))
+            else:
+                out.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return out
+
+
+def _model_type(model_dir: str) -> str | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model_type")
+
+
+def _apply_code_defined_pretokenizer(hf, model_type: str | None) -> None:
+    pattern = _CODE_DEFINED_PRETOKENIZERS.get(model_type or "")
+    if pattern is None:
+        return
+    from tokenizers import Regex, pre_tokenizers
+
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):  # older configs store AddedToken dicts
+        return token.get("content")
+    return token
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _hf_token_bytes(hf, vocab_size: int) -> list[bytes]:
+    added = {i: t.content for i, t in hf.get_added_tokens_decoder().items()}
+    byte_level = "ByteLevel" in json.dumps(json.loads(hf.to_str()).get("decoder") or {})
+    table = _bytes_to_unicode()
+    out = []
+    for i in range(vocab_size):
+        tok = hf.id_to_token(i)
+        if tok is None:
+            out.append(b"")
+        elif i in added:
+            out.append(added[i].encode("utf-8"))
+        elif byte_level:
+            out.append(bytes(table[c] for c in tok) if all(c in table for c in tok) else tok.encode("utf-8"))
+        elif tok.startswith("<0x") and tok.endswith(">") and len(tok) == 6:
+            out.append(bytes([int(tok[3:5], 16)]))
+        else:
+            out.append(tok.replace("\u2581", " ").encode("utf-8"))
+    return out

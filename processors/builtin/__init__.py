@@ -1,0 +1,1 @@
+"""Built-in logits processors, one file each."""

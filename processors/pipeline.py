@@ -1,0 +1,135 @@
+"""The ordered processor pipeline the engine runs every step.
+
+It validates request args against the registered processors, calls `update_state` before the
+forward pass and `apply` after it in registration order, times both per processor, and isolates
+failures: a processor that raises fails only the requests that enabled it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+from pydantic import ValidationError
+
+from .base import LogitsProcessor, LogitsProcessorArgs
+from .registry import resolve_processors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessorTiming:
+    update_state_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    calls: int = 0
+
+
+class LogitsProcessorPipeline:
+    def __init__(self, fd_config, names: list[str], leading: list[LogitsProcessor] | None = None):
+        """`names` are the registered processors; `leading` ones (guided decoding) run first."""
+        self.fd_config = fd_config
+        self.processors: list[LogitsProcessor] = list(leading or [])
+        self.processors += [cls(fd_config) for cls in resolve_processors(names)]
+        self.names = [type(p).__name__ for p in self.processors]
+        self.timings = {name: ProcessorTiming() for name in self.names}
+        self._open = any(type(p).declared_keys() is None for p in self.processors)
+        self._enabled: list[bool] = [False] * len(self.processors)
+
+    # -- admission ------------------------------------------------------------------------------
+    def validate(self, params) -> LogitsProcessorArgs:
+        """Validate a request for every processor; return its normalised args."""
+        args = self.validate_args(params.logits_processors_args)
+        for p in self.processors:
+            p.validate_request(params)
+        return args
+
+    def validate_args(self, args: dict | None) -> LogitsProcessorArgs:
+        """Check one request's `logits_processors_args`; return them normalised by the processors' models.
+
+        A key that no registered processor declares is an error, unless a registered processor
+        does not declare its keys (FastDeploy-style processors read whatever they like).
+        """
+        if args is None:
+            return LogitsProcessorArgs()
+        if not isinstance(args, dict):
+            raise ValueError(f"logits_processors_args: must be a JSON object, got {type(args).__name__}")
+        registered = ", ".join(self.names) or "none"
+        claimed: set[str] = set()
+        out = LogitsProcessorArgs(args)
+        for p in self.processors:
+            keys = type(p).declared_keys()
+            if keys is None:
+                continue
+            mine = {k: v for k, v in args.items() if k in keys}
+            claimed |= mine.keys()
+            if not mine:
+                continue
+            try:
+                parsed = type(p).args_model.model_validate(mine, context={"fd_config": self.fd_config})
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in err["loc"])
+                raise ValueError(f"logits_processors_args.{where}: {err['msg']}") from None
+            out.update(parsed.model_dump(include=set(mine)))
+        unknown = [k for k in args if k not in claimed]
+        if unknown and not self._open:
+            raise ValueError(f"logits_processors_args.{unknown[0]}: no registered logits processor reads this "
+                             f"key; registered processors: {registered}")
+        return out
+
+    # -- each step ------------------------------------------------------------------------------
+    def update_state(self, share_inputs: dict) -> dict[int, str]:
+        """Run every `update_state`; return {slot: error message} for requests to fail."""
+        failures: dict[int, str] = {}
+        rows = self._active_rows(share_inputs)
+        for i, p in enumerate(self.processors):
+            self._enabled[i] = any(type(p).is_enabled_by(a, sp) for _, a, sp in rows)
+            start = time.perf_counter()
+            try:
+                p.update_state(share_inputs)
+            except Exception as e:
+                self._record_failure(i, e, rows, failures)
+            self.timings[self.names[i]].update_state_seconds += time.perf_counter() - start
+        return failures
+
+    def apply(self, logits: paddle.Tensor, share_inputs: dict, all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+        """Run `apply` in order on `[active, vocab]` logits; return them and {slot: error} failures."""
+        failures: dict[int, str] = {}
+        todo = [i for i, p in enumerate(self.processors)
+                if self._enabled[i] and not (all_greedy and type(p).argmax_invariant)]
+        if not todo:
+            return logits, failures
+        rows = self._active_rows(share_inputs)
+        for i in todo:
+            start = time.perf_counter()
+            try:
+                out = self.processors[i].apply(logits)
+                if not isinstance(out, paddle.Tensor) or out.shape != logits.shape:
+                    raise TypeError(f"apply() must return the logits tensor of shape {logits.shape}")
+                logits = out
+            except Exception as e:
+                # By contract a processor writes only the rows it is enabled for, and those
+                # requests are failed, so the rest of the batch is still good.
+                self._record_failure(i, e, rows, failures)
+            timing = self.timings[self.names[i]]
+            timing.apply_seconds += time.perf_counter() - start
+            timing.calls += 1
+        return logits, failures
+
+    @staticmethod
+    def _active_rows(share_inputs):
+        """(slot, args, sampling params) of each active slot, in row order."""
+        active = np.flatnonzero(~np.asarray(share_inputs["stop_flags"])).tolist()
+        return [(s, share_inputs["logits_processors_args"][s], share_inputs["sampling_params"][s]) for s in active]
+
+    def _record_failure(self, i, error, rows, failures):
+        name = self.names[i]
+        logger.exception("logits processor %s failed", name)
+        message = f"logits processor {name} failed: {type(error).__name__}: {error}"
+        for slot, args, params in rows:
+            if type(self.processors[i]).is_enabled_by(args, params):
+                failures.setdefault(slot, message)
