@@ -156,6 +156,7 @@ class FDConfig:
     device: str = "cpu"
     logits_processors: list[str] = field(default_factory=list)
     guided_decoding_backend: str = "llguidance"
+    tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
 
     @classmethod
     def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
