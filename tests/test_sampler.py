@@ -1,0 +1,167 @@
+"""Sampler semantics against small numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+from conftest import fixture_dir, load_reference
+
+from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.engine.request import Request
+from fastdeploy_lp.engine.sampler import Sampler
+
+V = 12
+
+
+class _NoDetok:
+    text = ""
+
+
+def _request(slot, prompt=(1, 2), output=(), seed=0, **params):
+    return Request(request_id=f"r{slot}", prompt_ids=list(prompt), params=SamplingParams(**params),
+                   detokenizer=_NoDetok(), args={}, slot=slot, output_ids=list(output),
+                   rng=np.random.Generator(np.random.Philox(seed)))
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    p = _softmax(logits / temperature)
+    keep = np.ones_like(p, dtype=bool)
+    if min_p:
+        keep &= p >= min_p * p.max()
+    order = np.argsort(-p, kind="stable")
+    if top_k:
+        keep[order[top_k:]] = False
+    masked = np.where(keep, p, 0.0)
+    sorted_p = masked[order]
+    before = np.cumsum(sorted_p) - sorted_p
+    drop = order[(before >= top_p) & (np.arange(len(p)) > 0)]
+    masked[drop] = 0
+    return masked / masked.sum()
+
+
+@pytest.fixture(scope="module")
+def logits_row():
+    return np.random.default_rng(0).normal(size=V).astype(np.float32) * 2
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2),
+                                    dict(temperature=1.5, top_k=5, top_p=0.8)])
+def test_sampling_distribution_matches_numpy_reference(logits_row, params):
+    n = 6000
+    sampler = Sampler(n, V, eos_token_ids=[0])
+    requests = [_request(i, seed=i, **params) for i in range(n)]
+    tokens = sampler.sample(paddle.to_tensor(np.tile(logits_row, (n, 1))), requests).tokens
+    freq = np.bincount(tokens, minlength=V) / n
+    ref = _reference_probs(logits_row.astype(np.float64), **params)
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(ref))
+    np.testing.assert_allclose(freq, ref, atol=0.025)
+
+
+def test_penalties_match_reference(logits_row):
+    sampler = Sampler(2, V, eos_token_ids=[0])
+    prompt, output = [1, 2, 2], [3, 3, 4]
+    r = _request(0, prompt=prompt, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    sampler.on_admit(r)
+    for t in output:  # let the sampler count the output tokens as it would have produced them
+        sampler._count([r], np.array([t]))
+    r.output_ids = output
+    got = sampler._apply_penalties(paddle.to_tensor(logits_row[None]), [r]).numpy()[0]
+    ref = logits_row.astype(np.float64).copy()
+    counts = np.bincount(output, minlength=V)
+    seen = (counts > 0) | (np.bincount(prompt, minlength=V) > 0)
+    ref[seen] = np.where(ref[seen] > 0, ref[seen] / 1.3, ref[seen] * 1.3)
+    ref -= 0.5 * counts + 0.25 * (counts > 0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_min_tokens_bias_and_bad_words_stage():
+    sampler = Sampler(2, V, eos_token_ids=[0])
+    r = _request(0, output=[5], min_tokens=2, stop_token_ids=[7], logit_bias={3: 2.5})
+    r.bad_word_ids = [[9], [5, 6]]  # 9 always banned; 6 banned right after 5
+    got = sampler._apply_bias_and_bans(paddle.zeros([1, V]), [r]).numpy()[0]
+    expected = np.zeros(V)
+    expected[3] = 2.5
+    expected[[0, 7, 9, 6]] = -np.inf
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_greedy_rows_take_argmax_and_logprobs_are_normalised(logits_row):
+    sampler = Sampler(2, V, eos_token_ids=[0])
+    rows = [_request(0, temperature=0, logprobs=3), _request(1, temperature=1.0)]
+    result = sampler.sample(paddle.to_tensor(np.stack([logits_row, logits_row])), rows)
+    assert result.tokens[0] == int(np.argmax(logits_row))
+    lp = result.logprobs[0]
+    ref = np.log(_softmax(logits_row.astype(np.float64)))
+    assert lp.logprob == pytest.approx(ref.max(), abs=1e-5)
+    assert list(lp.top) == list(np.argsort(-ref)[:3])
+    assert result.logprobs[1] is None
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(fixture_dir("qwen2"), max_num_seqs=4, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_reference("qwen2")[0]
+
+
+def test_seed_gives_same_text_whatever_shares_the_batch(llm, prompts):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs.token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(prompts, [seeded, others, others, others], use_tqdm=False)[0].outputs.token_ids
+    assert mixed == alone
+
+
+def test_n_choices_differ_and_are_reproducible(llm, prompts):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    first = llm.generate([prompts[1]], params, use_tqdm=False)
+    assert [o.outputs.index for o in first] == [0, 1]
+    assert first[0].outputs.token_ids != first[1].outputs.token_ids
+    again = llm.generate([prompts[1]], params, use_tqdm=False)
+    assert [o.outputs.token_ids for o in again] == [o.outputs.token_ids for o in first]
+
+
+def test_stop_string_ends_generation_and_is_cut(llm, prompts):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text = llm.generate([prompts[0]], greedy, use_tqdm=False)[0].outputs.text
+    stop = text[5:8]
+    out = llm.generate([prompts[0]], greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+
+
+def test_min_tokens_holds_back_eos_then_eos_stops(llm, prompts):
+    forced_eos = SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={2: 100.0})
+    out = llm.generate([prompts[0]], forced_eos, use_tqdm=False)[0].outputs
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == 2 and 2 not in out.token_ids[:3]
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_k", -2), ("min_p", 2),
+                                         ("n", 0), ("max_tokens", 0), ("logprobs", 50), ("stop", [1])])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_name_the_field_and_queue_nothing(llm, prompts):
+    with pytest.raises(ValueError, match="^max_tokens:.*max_model_len"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=10**6), use_tqdm=False)
+    with pytest.raises(ValueError, match="^prompt:"):
+        llm.generate([[10**6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="^logit_bias:.*outside the vocabulary"):
+        llm.generate([prompts[0]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="^sampling_params:"):
+        llm.generate(prompts[:2], [SamplingParams()], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="^bogus:"):
+        LLM(fixture_dir("qwen2"), bogus=1)
