@@ -514,7 +514,7 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
 
     # Tool calling.
     cities = [c["capital"] for c in seen if c["capital_population"] > 300_000] + EXTRA_CITIES
-    train += tool_examples(rng, cities, 1800)
+    train += tool_examples(rng, cities, 1000)
 
     # Sentiment.
     for _ in range(900):
