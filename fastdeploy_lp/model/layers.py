@@ -7,7 +7,7 @@ q/k/v and gate/up are fused into one weight each, which halves the kernel launch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import paddle
 import paddle.nn.functional as F
@@ -91,6 +91,36 @@ class AttentionBatch:
     seq_new: list[int] | None = None
     seq_lens: list[int] | None = None
     max_len: int = 0
+    span: int = field(default=0, init=False)
+    slot_index: paddle.Tensor | None = field(default=None, init=False, repr=False)
+    mask: paddle.Tensor | None = field(default=None, init=False, repr=False)
+    _rotary: tuple | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        # Shared by every layer, so built once per forward pass.
+        if self.seq_slots is None:
+            return
+        if len(set(self.seq_new)) != 1:
+            raise ValueError("sequences of one cached pass must add the same number of tokens")
+        self.span = max(self.seq_lens)
+        self.slot_index = paddle.to_tensor(self.seq_slots, dtype="int64")
+        self.mask = self._mask()
+
+    def rotary_tables(self, rotary: "RotaryEmbedding", dtype):
+        if self._rotary is None:
+            self._rotary = rotary.tables(self.positions, dtype)
+        return self._rotary
+
+    def _mask(self) -> paddle.Tensor:
+        """Additive mask [S, 1, new, 1, L]: key j is visible to new token i of sequence s when
+        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
+        new = self.seq_new[0]
+        lens = paddle.to_tensor(self.seq_lens, dtype="int64").reshape([-1, 1, 1])
+        i = paddle.arange(new, dtype="int64").reshape([1, -1, 1])
+        j = paddle.arange(self.span, dtype="int64").reshape([1, 1, -1])
+        visible = j <= lens - new + i
+        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
+        return mask.unsqueeze(1).unsqueeze(3)
 
 
 class Attention(nn.Layer):
@@ -121,7 +151,7 @@ class Attention(nn.Layer):
         v = v.reshape([-1, self.num_kv_heads, self.head_dim])
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary.tables(batch.positions, q.dtype)
+        cos, sin = batch.rotary_tables(rotary, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if kv_cache is None:
@@ -144,36 +174,23 @@ class Attention(nn.Layer):
         return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
 
     def _cached(self, q, batch: AttentionBatch, k_cache, v_cache):
-        """Attention of new tokens over their sequences' cached keys (prefill or batched decode)."""
-        slots = paddle.to_tensor(batch.seq_slots, dtype="int64")
-        span = max(batch.seq_lens)
-        shape = [-1, batch.max_len, self.num_kv_heads, self.head_dim]
-        keys = paddle.index_select(k_cache.reshape(shape), slots)[:, :span]    # [S, L, Hkv, D]
-        values = paddle.index_select(v_cache.reshape(shape), slots)[:, :span]
-        seqs, new = len(batch.seq_slots), max(batch.seq_new)
-        if len(set(batch.seq_new)) != 1:
-            raise ValueError("sequences of one cached pass must add the same number of tokens")
-        group = self.num_heads // self.num_kv_heads
-        # [S, Hkv, group, new, D] x [S, Hkv, 1, D, L] -> scores [S, Hkv, group, new, L]
-        q = q.reshape([seqs, new, self.num_kv_heads, group, self.head_dim]).transpose([0, 2, 3, 1, 4])
-        keys = keys.transpose([0, 2, 3, 1]).unsqueeze(2)
-        values = values.transpose([0, 2, 1, 3]).unsqueeze(2)
-        scores = paddle.matmul(q, keys) * self.scale
-        scores = scores.astype("float32") + self._mask(batch, new, span)
-        probs = F.softmax(scores, axis=-1).astype(q.dtype)
-        out = paddle.matmul(probs, values)                                        # [S, Hkv, g, new, D]
-        return out.transpose([0, 3, 1, 2, 4]).reshape([-1, self.num_heads, self.head_dim])
+        """Attention of new tokens over their sequences' cached keys (prefill or batched decode).
 
-    @staticmethod
-    def _mask(batch: AttentionBatch, new: int, span: int) -> paddle.Tensor:
-        """Additive mask [S, 1, 1, new, L]: key j is visible to new token i of sequence s when
-        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
-        lens = paddle.to_tensor(batch.seq_lens, dtype="int64").reshape([-1, 1, 1])
-        i = paddle.arange(new, dtype="int64").reshape([1, -1, 1])
-        j = paddle.arange(span, dtype="int64").reshape([1, 1, -1])
-        visible = j <= lens - new + i
-        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
-        return mask.unsqueeze(1).unsqueeze(1)
+        Heads sharing a KV head are folded into the query-length axis so every product is a plain
+        3-D batched matmul: Paddle's CPU kernels are far slower on broadcast batch dimensions.
+        """
+        seqs, new, span = len(batch.seq_slots), batch.seq_new[0], batch.span
+        hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        shape = [-1, batch.max_len, hkv, dim]
+        keys = paddle.index_select(k_cache.reshape(shape), batch.slot_index)[:, :span]       # [S, L, Hkv, D]
+        values = paddle.index_select(v_cache.reshape(shape), batch.slot_index)[:, :span]
+        keys = keys.transpose([0, 2, 3, 1]).reshape([seqs * hkv, dim, span])
+        values = values.transpose([0, 2, 1, 3]).reshape([seqs * hkv, span, dim])
+        q = q.reshape([seqs, new, hkv, group, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs * hkv, new * group, dim])
+        scores = paddle.matmul(q, keys).astype("float32").reshape([seqs, hkv, new, group, span]) * self.scale
+        probs = F.softmax(scores + batch.mask, axis=-1).astype(q.dtype).reshape([seqs * hkv, new * group, span])
+        out = paddle.matmul(probs, values).reshape([seqs, hkv, new, group, dim])
+        return out.transpose([0, 2, 1, 3, 4]).reshape([-1, self.num_heads, dim])
 
 
 class MLP(nn.Layer):
