@@ -156,13 +156,14 @@ class FDConfig:
     device: str = "cpu"
     logits_processors: list[str] = field(default_factory=list)
     guided_decoding_backend: str = "llguidance"
+    fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
 
     @classmethod
     def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                device: str | None = None, dtype: str | None = None,
                logits_processors: list[str] | None = None,
-               guided_decoding_backend: str = "llguidance") -> "FDConfig":
+               guided_decoding_backend: str = "llguidance", fast_forward: bool = True) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
         if dtype in (None, "auto"):
@@ -182,4 +183,4 @@ class FDConfig:
                              f"max_position_embeddings), got {max_model_len!r}")
         return cls(model_config=model_config, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    device=device, logits_processors=list(logits_processors or []),
-                   guided_decoding_backend=guided_decoding_backend)
+                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward)

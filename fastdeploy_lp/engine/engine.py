@@ -139,27 +139,51 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         finished: list[Request] = []
         self._drain_inbox(finished)
-        new = {r.slot for r in self.scheduler.admit()}
-        for slot in new:
-            self.sampler.on_admit(self.scheduler.slots[slot])
+        for request in self.scheduler.admit():
+            self.sampler.on_admit(request)
         share_inputs = self.scheduler.share_inputs
 
-        failures = self.pipeline.update_state(share_inputs)
-        while failures:  # fail those requests, then let every processor see the smaller batch
+        while True:  # settle the batch: failed or force-finished requests leave before the forward pass
+            failures = self.pipeline.update_state(share_inputs)
             for slot, message in failures.items():
                 self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
-            failures = self.pipeline.update_state(share_inputs)
+            forced_out = self._take_forced_tokens(finished)
+            if not failures and not forced_out:
+                break
 
         running = self.scheduler.running
         if running:
-            self._decode(running, new, finished)
+            self._decode(running, finished)
         self.num_steps += 1
         return [r.to_output() for r in self._touched(running, finished)]
 
-    def _decode(self, running: list[Request], new: set[int], finished: list[Request]) -> None:
-        feeds = [SlotFeed(r.slot, list(r.prompt_ids), 0) if r.slot in new
-                 else SlotFeed(r.slot, [r.output_ids[-1]], len(r.prompt_ids) + len(r.output_ids) - 1)
-                 for r in running]
+    def _take_forced_tokens(self, finished: list[Request]) -> bool:
+        """Collect tokens processors published as certain; with fast-forward, append them now.
+
+        Returns True if that finished a request (the batch changed after `update_state`).
+        """
+        forced = self.scheduler.share_inputs["forced_tokens"]
+        changed = False
+        for request in self.scheduler.running:
+            if forced[request.slot]:
+                request.pending_forced.extend(forced[request.slot])
+                forced[request.slot] = []
+            if not (self.fd_config.fast_forward and request.pending_forced):
+                continue
+            now = time.monotonic()
+            while request.pending_forced and not request.finished:
+                request.rng.random()  # keep the seeded stream where one sampled step per token leaves it
+                self._append(request, request.pending_forced.popleft(), None, now, finished)
+            request.pending_forced.clear()
+            changed |= request.finished
+        return changed
+
+    def _decode(self, running: list[Request], finished: list[Request]) -> None:
+        feeds = []
+        for r in running:  # every token not in the slot's KV cache yet: a prompt, one token, or forced ones
+            tokens = (r.prompt_ids + r.output_ids)[r.cached_len:]
+            feeds.append(SlotFeed(r.slot, tokens, r.cached_len))
+            r.cached_len += len(tokens)
         logits = self.runner.forward(feeds)
         logits, failures = self.pipeline.apply(logits, self.scheduler.share_inputs,
                                                all_greedy=all(r.params.greedy for r in running))
@@ -169,7 +193,10 @@ class LLMEngine:
             if request.slot in failures:
                 self._finish(request, FinishReason.ERROR, finished, failures[request.slot])
                 continue
-            self._append(request, int(result.tokens[row]), result.logprobs[row], now, finished)
+            token = int(result.tokens[row])
+            if request.pending_forced:  # fast-forward off: one forced token per step instead
+                token = request.pending_forced.popleft()
+            self._append(request, token, result.logprobs[row], now, finished)
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -74,6 +75,8 @@ class Request:
     first_token_time: float | None = None
     rng: np.random.Generator | None = None  # per-request stream, so a seed is batch-independent
     bad_word_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
+    cached_len: int = 0                 # tokens of prompt + output whose keys/values are in the slot cache
+    pending_forced: deque = field(default_factory=deque)  # tokens processors declared certain
     _reported_tokens: int = 0
 
     @property

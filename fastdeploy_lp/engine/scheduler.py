@@ -14,8 +14,15 @@ has one entry per slot; `stop_flags[i]` is True when slot i is free or its reque
 | step_idx                 | np.ndarray[int64] [slots]      | number of tokens generated so far            |
 | next_tokens              | np.ndarray[int64] [slots]      | last sampled token (-1 before the first)     |
 | sampling_params          | list[SamplingParams or None]   | the request's full sampling parameters       |
+| forced_tokens            | list[list[int]]                | written by processors in `update_state`: tokens certain to come next (see below) |
 | temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty |
 |                          | np.ndarray [slots]             | the request's sampling fields                |
+
+`forced_tokens` is the one field processors write. Tokens a processor appends to
+`forced_tokens[slot]` during `update_state` are appended to that request's output before its next
+sampled token: all at once in this step when fast-forward is on (one forward pass over them, like
+a small prefill), one per step otherwise, so the output is the same either way. A processor treats
+them as already generated when it publishes them; they then show up in `output_ids`.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ def new_share_inputs(max_num_seqs: int) -> dict:
         "step_idx": np.zeros(s, dtype=np.int64),
         "next_tokens": np.full(s, -1, dtype=np.int64),
         "sampling_params": [None] * s,
+        "forced_tokens": [[] for _ in range(s)],
     }
     for name, dtype in _SAMPLING_FIELDS.items():
         inputs[name] = np.zeros(s, dtype=dtype)
@@ -88,6 +96,7 @@ class SlotScheduler:
         s["step_idx"][slot] = 0
         s["next_tokens"][slot] = -1
         s["sampling_params"][slot] = p
+        s["forced_tokens"][slot] = []
         for name in _SAMPLING_FIELDS:
             s[name][slot] = getattr(p, name)
 
