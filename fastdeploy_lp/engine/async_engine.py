@@ -1,0 +1,244 @@
+"""`AsyncLLMEngine`: the engine loop on a background thread, its outputs delivered to asyncio.
+
+The HTTP server's event loop never runs a step. One engine thread calls `LLMEngine.step()` while
+there is work and sleeps on an event when there is none; after each step it hands that step's
+outputs to the event loop in one `loop.call_soon_threadsafe` call, which routes each output to the
+`RequestStream` (an `asyncio.Queue`) of its request.
+
+    engine = AsyncLLMEngine(LLMEngine(fd_config))
+    engine.start()                                  # inside a running event loop
+    stream = await engine.add_request("Hello", SamplingParams(max_tokens=8))
+    async for out in stream:                        # one RequestOutput per step, per choice
+        print(out.outputs.delta_text, end="")
+
+Cancelling: `stream.abort()` (or leaving the `async for` early and calling it, as the server does
+when a client disconnects) aborts the request and its `n` siblings; the engine frees their slots at
+its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from ..sampling_params import SamplingParams
+from .engine import LLMEngine
+from .request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotServingError(RuntimeError):
+    """The engine thread is not running (not started yet, shut down, or stopped by an error)."""
+
+
+class QueueFullError(RuntimeError):
+    """Admitting the request would make more sequences wait than `max_waiting_requests` allows."""
+
+
+class RequestStream:
+    """The outputs of one request (all `n` choices), in the order the engine produced them."""
+
+    def __init__(self, request_id: str, child_ids: list[str], abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self.arrival_time = time.monotonic()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(child_ids)
+        self._abort = abort
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Cancel every unfinished choice; a no-op once all have finished."""
+        if self._unfinished:
+            self._abort(self.request_id)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+
+class AsyncLLMEngine:
+    """Runs `engine.step()` on a daemon thread; `add_request` and streams live on the event loop.
+
+    `max_waiting_requests` bounds the sequences that wait for a free slot (a request with `n=k`
+    counts `k`); a request that would exceed it raises `QueueFullError` (the server's 429).
+    `observer`, if given, is called on the event loop as `observer(output, now, stream)` for every
+    output before it is routed (the server's metrics); `stream` is None for an abandoned request.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 observer: Callable[[RequestOutput, float, RequestStream | None], None] | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests: must be >= 0, got {max_waiting_requests!r}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer
+        self._streams: dict[str, RequestStream] = {}  # child id -> stream
+        self._admitting = 0          # sequences handed to add_request but not yet queued in the engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # what stopped the engine thread, if anything
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="fastdeploy-lp-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step; pending streams get `EngineNotServingError`."""
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, EngineNotServingError("the engine has shut down"))
+
+    @property
+    def is_serving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    # -- state, read from any thread ------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self._admitting
+
+    def processor_timings(self) -> dict[str, Any]:
+        return self.engine.processor_timings()
+
+    # -- requests (event loop) ------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request; returns its stream.
+
+        Raises `ValueError("field: ...")` for a bad request, `QueueFullError`, or
+        `EngineNotServingError`. Validation (tokenizing, compiling a grammar) runs on a worker
+        thread, so a slow one does not hold up the event loop.
+        """
+        if not self.is_serving:
+            raise EngineNotServingError(self._not_serving_reason())
+        n = params.n
+        if self.max_waiting_requests is not None:
+            free = self.engine.fd_config.max_num_seqs - self.num_running
+            if self.num_waiting + n - free > self.max_waiting_requests:
+                raise QueueFullError(f"too many requests waiting for a slot (limit {self.max_waiting_requests}); "
+                                     "retry later")
+        request_id = request_id or uuid.uuid4().hex
+        child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        if any(c in self._streams for c in child_ids):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream = RequestStream(request_id, child_ids, self.abort)
+        for c in child_ids:  # registered before the engine can produce anything for them
+            self._streams[c] = stream
+        self._admitting += n
+        future = self._loop.run_in_executor(None, self.engine.add_request, prompt, params, request_id)
+        try:
+            ids = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The caller went away while we validated: drop the request once it is queued.
+            future.add_done_callback(lambda f: self._cancelled_while_admitting(f, request_id, child_ids))
+            raise
+        except BaseException:
+            self._unregister(child_ids)
+            raise
+        finally:
+            self._admitting -= n
+        if ids != child_ids:  # the engine's id convention is part of this contract
+            raise RuntimeError(f"engine returned ids {ids}, expected {child_ids}")
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (all its choices); its slot is freed at the engine's next step."""
+        self.engine.abort_request(request_id)
+        self._wakeup.set()
+
+    def _cancelled_while_admitting(self, future, request_id: str, child_ids: list[str]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self._unregister(child_ids)
+        else:
+            self.abort(request_id)  # its outputs still reach the stream, which nobody reads
+
+    def _unregister(self, child_ids: list[str]) -> None:
+        for c in child_ids:
+            self._streams.pop(c, None)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as e:  # a bug below the processor isolation: stop serving, say why
+                logger.exception("engine step failed; the engine stops serving")
+                self.error = e
+                self._stop.set()
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, EngineNotServingError(f"the engine stopped: {type(e).__name__}: {e}"))
+                return
+            if outputs:
+                try:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if self.observer is not None:
+                try:
+                    self.observer(out, now, stream)
+                except Exception:
+                    logger.exception("output observer failed")
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = {id(s): s for s in self._streams.values()}
+        self._streams.clear()
+        for s in streams.values():
+            s._put(error)
+
+    def _not_serving_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine stopped: {type(self.error).__name__}: {self.error}"
+        if self._thread is None:
+            return "the engine has not started yet"
+        return "the engine has shut down"
