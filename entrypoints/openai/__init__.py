@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: request/response models, handlers, and the FastAPI app."""

@@ -1,0 +1,97 @@
+"""Command-line flags of the OpenAI-compatible server (`fastdeploy-lp serve` and
+`python -m fastdeploy_lp.entrypoints.openai.api_server` take the same ones)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ...config import default_model_path
+
+API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
+GUIDED_DECODING_BACKENDS = ("llguidance", "off")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {text}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    model = parser.add_argument_group("model and engine")
+    model.add_argument("--model", default=default_model_path(),
+                       help="Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer). "
+                            "Default: the model that ships with the package.")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="Name(s) clients use in the 'model' field; the first is reported. "
+                            "Default: the model directory's name. 'default' is always accepted too.")
+    model.add_argument("--max-num-seqs", type=_positive_int, default=8,
+                       help="Engine slots: sequences decoded together in one batch.")
+    model.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="Most tokens (prompt + output) per sequence. Default: the model's "
+                            "max_position_embeddings, at most 4096.")
+    model.add_argument("--device", default=None,
+                       help="Paddle device, e.g. 'cpu', 'gpu', 'gpu:1'. Default: gpu when available, else cpu.")
+    model.add_argument("--dtype", default="auto",
+                       help="Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16. "
+                            "CPU always computes in float32.")
+    model.add_argument("--logits-processors", nargs="*", default=[], metavar="NAME",
+                       help="Logits processors, applied in this order: a built-in name "
+                            "(e.g. LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable "
+                            "them through 'logits_processors_args'.")
+    model.add_argument("--guided-decoding-backend", default="llguidance", choices=GUIDED_DECODING_BACKENDS,
+                       help="Grammar engine for response_format / guided_* / tools; 'off' disables "
+                            "constrained output (such requests then get a 400).")
+
+    server = parser.add_argument_group("HTTP server")
+    server.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
+    server.add_argument("--port", type=_port, default=8000, help="Port of the OpenAI-compatible API.")
+    server.add_argument("--metrics-port", type=_port, default=None,
+                        help="Also serve Prometheus /metrics on this port (it is always on --port too).")
+    server.add_argument("--api-key", default=None,
+                        help=f"Require 'Authorization: Bearer KEY' on /v1/* (also from ${API_KEY_ENV}). "
+                             "/health and /metrics stay open.")
+    server.add_argument("--max-waiting-requests", type=_non_negative_int, default=None,
+                        help="Most sequences waiting for a free slot (a request with n=k counts k); more "
+                             "get 429. Default: no limit.")
+    server.add_argument("--strict-fields", action="store_true",
+                        help="Reject requests with unknown top-level fields (400) instead of listing them "
+                             "in the x-fastdeploy-lp-ignored-fields response header.")
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="Log level of the server and uvicorn.")
+
+    compat = parser.add_argument_group("FastDeploy compatibility (accepted, unused: this engine is one process)")
+    compat.add_argument("--engine-worker-queue-port", type=_port, default=None,
+                        help="Accepted so FastDeploy launch commands run; unused.")
+    compat.add_argument("--cache-queue-port", type=_port, default=None,
+                        help="Accepted so FastDeploy launch commands run; unused.")
+    return parser
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The flag, else the environment variable (read after parsing so --help never shows it)."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="OpenAI-compatible server for fastdeploy_lp: /v1/chat/completions, "
+                               "/v1/completions, /v1/models, /v1/logits_processors, /health, /metrics.")
+    return add_server_args(parser)

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one server, in their own registry (so several servers can share a process).
+
+| metric                                              | kind      | what                                        |
+|-----------------------------------------------------|-----------|---------------------------------------------|
+| fastdeploy_lp:num_requests_running                  | gauge     | sequences in engine slots                   |
+| fastdeploy_lp:num_requests_waiting                  | gauge     | sequences waiting for a slot                |
+| fastdeploy_lp:time_to_first_token_seconds           | histogram | request arrival → first token               |
+| fastdeploy_lp:inter_token_latency_seconds           | histogram | time between a sequence's tokens            |
+| fastdeploy_lp:prompt_tokens_total                   | counter   | prompt tokens of admitted requests          |
+| fastdeploy_lp:generation_tokens_total               | counter   | generated tokens                            |
+| fastdeploy_lp:request_finished_total{finish_reason} | counter   | finished sequences by reason                |
+| fastdeploy_lp:logits_processor_seconds_total{processor,phase} | counter | time in update_state / apply |
+| fastdeploy_lp:logits_processor_calls_total{processor}| counter  | apply calls                                 |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from ...engine.async_engine import AsyncLLMEngine, RequestStream
+from ...engine.request import RequestOutput
+
+PREFIX = "fastdeploy_lp:"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Owns the registry; `observe` is the `AsyncLLMEngine` output observer."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        running = Gauge(PREFIX + "num_requests_running", "Sequences in engine slots.", registry=r)
+        running.set_function(lambda: engine.num_running)
+        waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting for a free slot.", registry=r)
+        waiting.set_function(lambda: engine.num_waiting)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of a "
+                             "sequence.", buckets=_ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        self.finished = Counter(PREFIX + "request_finished", "Finished sequences by finish reason.",
+                                ["finish_reason"], registry=r)
+        r.register(_ProcessorTimeCollector(engine))
+        self._last_token_time: dict[str, float] = {}
+
+    def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
+        o = out.outputs
+        k = len(o.delta_token_ids)
+        rid = out.request_id
+        if k:
+            self.generation_tokens.inc(k)
+            last = self._last_token_time.get(rid)
+            if last is None:
+                arrival = stream.arrival_time if stream is not None else out.metrics.get("arrival_time", now)
+                self.ttft.observe(max(0.0, now - arrival))
+                if o.index == 0:
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+            else:
+                for _ in range(k):
+                    self.itl.observe((now - last) / k)
+            self._last_token_time[rid] = now
+        if out.finished:
+            self._last_token_time.pop(rid, None)
+            self.finished.labels(o.finish_reason or "unknown").inc()
+
+
+class _ProcessorTimeCollector:
+    """Per-processor time, read from `processor_timings()` at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        seconds = CounterMetricFamily(PREFIX + "logits_processor_seconds", "Time spent in each logits processor.",
+                                      labels=["processor", "phase"])
+        calls = CounterMetricFamily(PREFIX + "logits_processor_calls", "apply() calls of each logits processor.",
+                                    labels=["processor"])
+        for name, t in self.engine.processor_timings().items():
+            seconds.add_metric([name, "update_state"], t.get("update_state_seconds", 0.0))
+            seconds.add_metric([name, "apply"], t.get("apply_seconds", 0.0))
+            calls.add_metric([name], t.get("calls", 0))
+        yield seconds
+        yield calls

@@ -1,0 +1,449 @@
+"""Request and response models of the OpenAI-compatible API; the models are the documentation.
+
+Requests are validated strictly (no "10" for 10, no "true" for true): a wrong type is a 400 naming
+the field. Unknown top-level fields are kept in `model_extra` so the server can report them
+(`x-fastdeploy-lp-ignored-fields` header, or a 400 with `--strict-fields`).
+
+Beyond OpenAI's fields a request may carry vLLM/FastDeploy's sampling extensions (`top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `bad_words`, ...), the per-request
+`logits_processors_args` object read by the registered logits processors, and one output
+constraint (`response_format` or one of the `guided_*` fields), mapped here to
+`SamplingParams.guided_decoding`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ...sampling_params import GuidedDecodingParams, SamplingParams
+
+_REQUEST = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+_NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structural_tag")
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = _NESTED
+    include_usage: bool | None = Field(None, description="Send a last chunk with the request's token usage.")
+
+
+class TextContentPart(BaseModel):
+    model_config = _NESTED
+    type: str = Field(description="Only 'text' parts are supported (the models are text-only).")
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported; this server is text-only")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = _NESTED
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant turn's earlier tool calls.")
+    tool_call_id: str | None = Field(None, description="The call a 'tool' message answers.")
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict a chat template reads; text parts are joined into one string."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text or "" for p in self.content)
+        elif self.content is None:
+            out["content"] = ""
+        if self.role == "developer":  # OpenAI's newer name for the system turn
+            out["role"] = "system"
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _NESTED
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _NESTED
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _NESTED
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _NESTED
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = _NESTED
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`, plus the TensorRT-LLM forms `json`, `regex`, `ebnf`, `structural_tag`."""
+
+    model_config = _NESTED
+    type: Literal["text", "json_object", "json_schema", "json", "regex", "ebnf", "structural_tag"]
+    json_schema: JsonSchemaSpec | None = None
+    schema_: dict[str, Any] | str | None = Field(None, alias="schema", description="For type 'json'.")
+    regex: str | None = None
+    ebnf: str | None = None
+    format: dict[str, Any] | None = Field(None, description="For type 'structural_tag' (triggered tags).")
+    structures: list[dict[str, Any]] | None = Field(None, description="For type 'structural_tag' (older form).")
+    triggers: list[str] | None = None
+
+
+# -- requests -------------------------------------------------------------------------------------
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = _REQUEST
+
+    model: str | None = Field(None, description="The served model name (see GET /v1/models); "
+                                                "'default' or leaving it out means the served model.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy. Default: the model's "
+                                                              "generation_config, else 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=128, description="Number of choices.")
+    stop: str | list[str] | None = Field(None, description="Stop strings (not included in the output).")
+    seed: int | None = Field(None, description="Makes sampling reproducible for this request.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) → bias in [-100, 100], added to the logits.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None
+    # vLLM / FastDeploy sampling extensions
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0, description="EOS and stop tokens are banned until this many.")
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(None, description="Words never generated.")
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logits_processors_args: dict[str, Any] | None = Field(
+        None, description="Per-request arguments of the registered logits processors, e.g. "
+                          '{"logit_bias": {"128": 5.0}}; see GET /v1/logits_processors.')
+    # output constraints (at most one)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | bool | None = Field(None, description="A JSON schema (object or string).")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = Field(None, description="EBNF (GBNF `root ::= ...`) or Lark grammar.")
+    structural_tag: dict[str, Any] | str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_and_range(cls, value):
+        if value is None:
+            return value
+        for key, bias in value.items():
+            if not key.strip().lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    # -- mapping to the engine ------------------------------------------------------------------
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def constraint_field(self) -> str:
+        """The field that carries this request's output constraint (for error messages)."""
+        return next((f for f in GUIDED_FIELDS if getattr(self, f) is not None), "response_format")
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The one output constraint this request asks for, or None. Raises ValueError("field: ...")."""
+        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one output constraint per request; got {', '.join(given)}")
+        ws = self.guided_whitespace_pattern
+        if not given:
+            if ws is not None:
+                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint")
+            return None
+        field = given[0]
+        if field == "response_format":
+            kwargs = _response_format_constraint(self.response_format)
+        elif field == "guided_json":
+            kwargs = {"json": _json_value("guided_json", self.guided_json)}
+        elif field == "guided_regex":
+            kwargs = {"regex": self.guided_regex}
+        elif field == "guided_choice":
+            kwargs = {"choice": self.guided_choice}
+        elif field == "guided_grammar":
+            kwargs = {"grammar": self.guided_grammar}
+        else:
+            kwargs = {"structural_tag": _json_value("structural_tag", self.structural_tag, want=dict)}
+        if ws is not None:
+            if "json" not in kwargs and "json_object" not in kwargs:
+                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint")
+            kwargs["whitespace_pattern"] = ws
+        return GuidedDecodingParams(**kwargs)
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any], guided: GuidedDecodingParams | None) -> SamplingParams:
+        """SamplingParams for this request; `defaults` are the model's generation_config values."""
+
+        def pick(name, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        return SamplingParams(
+            n=self.n or 1, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            max_tokens=max_tokens, min_tokens=self.min_tokens or 0, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), seed=self.seed, logprobs=logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            bad_words=self.bad_words, logits_processors_args=self.logits_processors_args, guided_decoding=guided)
+
+
+def _json_value(field: str, value, want=(dict, bool)):
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(value, want):
+        raise ValueError(f"{field}: must be a JSON object")
+    return value
+
+
+def _response_format_constraint(rf: ResponseFormat) -> dict[str, Any]:
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+        if rf.json_schema.schema_ is None:  # OpenAI allows it; it means "any JSON object"
+            return {"json_object": True}
+        return {"json": rf.json_schema.schema_}
+    if rf.type == "json":
+        if rf.schema_ is None:
+            raise ValueError("response_format.schema: required when type is 'json'")
+        return {"json": _json_value("response_format.schema", rf.schema_)}
+    if rf.type == "regex":
+        if rf.regex is None:
+            raise ValueError("response_format.regex: required when type is 'regex'")
+        return {"regex": rf.regex}
+    if rf.type == "ebnf":
+        if rf.ebnf is None:
+            raise ValueError("response_format.ebnf: required when type is 'ebnf'")
+        return {"grammar": rf.ebnf}
+    # structural_tag: the `format` form or the older `structures` + `triggers` form, passed through
+    if rf.format is None and rf.structures is None:
+        raise ValueError("response_format.format: a structural_tag needs 'format' (or 'structures' and 'triggers')")
+    return {"structural_tag": rf.model_dump(by_alias=True, exclude_none=True)}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate "
+                                                                      "(OpenAI's newer name for max_tokens).")
+    logprobs: bool | None = Field(False, description="Return the log probability of each output token.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; the tool-call format decides.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking).")
+    add_generation_prompt: bool | None = Field(True, description="End the prompt with the assistant turn's header.")
+    echo: bool | None = Field(False, description="Prepend the last message's content when it is the "
+                                                 "assistant's (continuing a partial answer).")
+
+    @model_validator(mode="after")
+    def _chat_checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs to be true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} "
+                                 f"(tools: {', '.join(names)})")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tools_for_template(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self):
+        tc = self.tool_choice
+        return tc.model_dump() if isinstance(tc, NamedToolChoice) else (tc or "auto")
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, token ids, or a batch of either (one choice group per prompt).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return this many alternatives per token.")
+    echo: bool | None = Field(False, description="Prepend the prompt to the output.")
+    suffix: str | None = Field(None, description="Not supported (400 when set).")
+    best_of: int | None = Field(None, ge=1, description="Only best_of == n is supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        if isinstance(value, str):
+            return value
+        ok = isinstance(value, list) and value and (
+            all(isinstance(p, str) for p in value)
+            or all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            or all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                   for p in value))
+        if not ok:
+            raise ValueError("must be a string, a non-empty list of strings, a non-empty list of token ids, "
+                             "or a list of non-empty token-id lists")
+        return value
+
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported by this server")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of equal to n is supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: prompt log probabilities are not computed; use echo without logprobs")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+# -- responses (documentation for the OpenAPI schema; handlers build the same shapes) ------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChoiceError(BaseModel):
+    message: str
+    type: str = "generation_error"
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "error", "abort"] | None = None
+    error: ChoiceError | None = Field(None, description="Set when finish_reason is 'error'.")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length", "error", "abort"] | None = None
+    error: ChoiceError | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "fastdeploy_lp"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

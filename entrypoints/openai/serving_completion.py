@@ -1,0 +1,120 @@
+"""POST /v1/completions: text or token-id prompts (or a batch of them), as JSON or SSE chunks.
+
+A batch of `P` prompts with `n` choices each answers with `P * n` choices; choice `p * n + i` is
+choice `i` of prompt `p`, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...engine.async_engine import RequestStream
+from .protocol import CompletionRequest
+from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, abort_all, choice_error, engine_error_event,
+                             final_outputs, merge_streams, sse, usage, value_errors_as_400)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
+        self.check_model(req.model)
+        with value_errors_as_400():
+            guided = req.guided_decoding()
+            self.check_guided(guided, req.constraint_field())
+            params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+                                         defaults=self.generation_defaults, guided=guided)
+        prompts = req.prompts()
+        streams: list[RequestStream] = []
+        try:
+            for k, prompt in enumerate(prompts):
+                renames = {"prompt": f"prompt[{k}]"} if len(prompts) > 1 else None
+                streams.append(await self.submit(prompt, params, renames=renames))
+        except BaseException:
+            abort_all(streams)
+            raise
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        n = params.n
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._stream(request_id, streams, n, prompts, bool(req.echo), include_usage, req.logprobs)
+            return SSEResponse(body, streams, headers=headers)
+        finals = await final_outputs(streams, raw)
+        return JSONResponse(self._response(request_id, finals, n, prompts, bool(req.echo)), headers=headers)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def _response(self, request_id: str, finals: list[dict[int, Any]], n: int, prompts, echo: bool) -> dict:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for k, group in enumerate(finals):
+            prefix = self._prompt_text(prompts[k]) if echo else ""
+            for i in sorted(group):
+                out = group[i]
+                o = out.outputs
+                if i == 0:
+                    prompt_tokens += len(out.prompt_token_ids)
+                completion_tokens += len(o.token_ids)
+                choice = {"index": k * n + i, "text": prefix + o.text,
+                          "logprobs": self.completion_logprobs(o.logprobs, len(prefix)) if o.logprobs is not None
+                          else None,
+                          "finish_reason": o.finish_reason}
+                if (err := choice_error(o)) is not None:
+                    choice["error"] = err
+                choices.append(choice)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    async def _stream(self, request_id: str, streams: list[RequestStream], n: int, prompts, echo: bool,
+                      include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.model_name
+
+        def chunk(index, text, finish_reason=None, lps=None, error=None):
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
+            if error is not None:
+                choice["error"] = error
+            data = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [choice]}
+            if include_usage:
+                data["usage"] = None
+            return sse(data)
+
+        offsets = [[0] * n for _ in streams]
+        if echo:
+            for k, prompt in enumerate(prompts):
+                text = self._prompt_text(prompt)
+                for i in range(n):
+                    offsets[k][i] = len(text)
+                    yield chunk(k * n + i, text)
+        sent = [[0] * n for _ in streams]
+        prompt_tokens = [0] * len(streams)
+        completion = [[0] * n for _ in streams]
+        try:
+            async for k, out in merge_streams(streams):
+                o = out.outputs
+                i = o.index
+                prompt_tokens[k] = len(out.prompt_token_ids)
+                completion[k][i] = len(o.token_ids)
+                lps = None
+                if logprobs is not None and o.logprobs is not None:
+                    lps = self.completion_logprobs(o.logprobs[sent[k][i]:], offsets[k][i])
+                    sent[k][i] = len(o.logprobs)
+                offsets[k][i] += len(o.delta_text)
+                if o.delta_text or (lps and lps["tokens"]):
+                    yield chunk(k * n + i, o.delta_text, lps=lps)
+                if out.finished and o.finish_reason != "abort":
+                    yield chunk(k * n + i, "", finish_reason=o.finish_reason, error=choice_error(o))
+        except Exception as e:  # the engine stopped under us: tell the client, then end the stream
+            yield engine_error_event(e)
+            yield SSE_DONE
+            return
+        if include_usage:
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage(sum(prompt_tokens), sum(map(sum, completion)))})
+        yield SSE_DONE

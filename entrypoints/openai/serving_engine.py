@@ -1,0 +1,218 @@
+"""What the chat and completion handlers share: model names, submitting to the engine with errors
+mapped to HTTP, logprob formatting, SSE framing, and cancelling on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
+from ...engine.request import Logprob, RequestOutput
+from ...sampling_params import GuidedDecodingParams, SamplingParams
+from .errors import OpenAIError, bad_request, from_value_error
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; a banned token reports this
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def value_errors_as_400(renames: dict[str, str] | None = None):
+    """`ValueError("field: ...")` raised inside → a 400 naming the field."""
+    try:
+        yield
+    except OpenAIError:
+        raise
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], model_aliases: set[str]):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.served_model_names = served_model_names
+        self.model_aliases = model_aliases | set(served_model_names)
+        self.generation_defaults = dict(engine.engine.fd_config.model_config.generation_defaults)
+        self.guided_available = any(type(p).__name__ == "GuidedDecodingLogitsProcessor"
+                                    for p in engine.engine.pipeline.processors)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_aliases:
+            raise OpenAIError(404, f"model: {name!r} is not served here; use {self.model_name!r} "
+                                   "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_guided(self, guided: GuidedDecodingParams | None, field: str) -> None:
+        if guided is not None and not self.guided_available:
+            backend = self.engine.engine.fd_config.guided_decoding_backend
+            why = ("the server runs with --guided-decoding-backend off" if backend == "off"
+                   else "guided decoding is not available in this build")
+            raise bad_request(f"{field}: output constraints are not supported: {why}", param=field)
+
+    async def submit(self, prompt: str | list[int], params: SamplingParams,
+                     renames: dict[str, str] | None = None) -> RequestStream:
+        try:
+            with value_errors_as_400(renames):
+                return await self.engine.add_request(prompt, params)
+        except QueueFullError as e:
+            raise OpenAIError(429, str(e), code="queue_full") from None
+        except EngineNotServingError as e:
+            raise OpenAIError(503, str(e), code="not_serving") from None
+
+    # -- logprobs -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes[token_id] if 0 <= token_id < len(self.tokenizer.token_bytes) else b""
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def chat_logprobs(self, entries: list[Logprob]) -> dict[str, Any]:
+        content = []
+        for lp in entries:
+            token, raw = self.token_text(lp.token_id)
+            top = []
+            for tid, value in sorted(lp.top.items(), key=lambda kv: -kv[1]):
+                t, b = self.token_text(tid)
+                top.append({"token": t, "logprob": _finite(value), "bytes": b})
+            content.append({"token": token, "logprob": _finite(lp.logprob), "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+
+    def completion_logprobs(self, entries: list[Logprob], offset: int) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in entries:
+            token, _ = self.token_text(lp.token_id)
+            tokens.append(token)
+            values.append(_finite(lp.logprob))
+            tops.append({self.token_text(t)[0]: _finite(v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice_error(out) -> dict | None:
+    if out.finish_reason != "error":
+        return None
+    return {"message": out.error or "generation failed", "type": "generation_error"}
+
+
+def sse(data: dict) -> str:
+    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream position, output) from several streams, as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, stream: RequestStream):
+        try:
+            async for out in stream:
+                queue.put_nowait((k, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((k, e))
+        finally:
+            queue.put_nowait((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            k, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def final_outputs(streams: list[RequestStream], request: Request) -> list[dict[int, RequestOutput]]:
+    """The last output of every choice of every stream; aborts them all if the client goes away."""
+
+    async def drain():
+        finals: list[dict[int, RequestOutput]] = [{} for _ in streams]
+        async for k, out in merge_streams(streams):
+            finals[k][out.outputs.index] = out
+        return finals
+
+    work = asyncio.ensure_future(drain())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            for s in streams:
+                s.abort()
+        watcher.cancel()
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+def abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+class SSEResponse(StreamingResponse):
+    """A `text/event-stream` response that aborts its requests however the stream ends
+    (finished, client disconnected, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], headers: dict | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort_all(self._streams)  # no-op for finished ones
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def engine_error_event(error: BaseException) -> str:
+    status = 503 if isinstance(error, EngineNotServingError) else 500
+    err = OpenAIError(status, str(error) or type(error).__name__,
+                      code="not_serving" if status == 503 else "internal_error")
+    return sse(err.body())
