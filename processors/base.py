@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import BaseModel
 
 
@@ -42,6 +43,18 @@ class LogitsProcessorArgs(dict):
 
     def __getitem__(self, key: str) -> Any:
         return self.get(key)
+
+
+def active_slots(share_inputs: dict) -> np.ndarray:
+    """The slots that have a logits row this step, in row order: row i is slot `active_slots(...)[i]`."""
+    return np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool))
+
+
+def batch_key(share_inputs: dict, slots: np.ndarray) -> tuple:
+    """A value that changes exactly when the batch's composition does (a request joins, leaves or
+    moves), so a processor can rebuild its index tensors only then."""
+    ids, args = share_inputs["req_ids"], share_inputs["logits_processors_args"]
+    return tuple((int(s), ids[s], id(args[s])) for s in slots)
 
 
 class LogitsProcessor:

@@ -11,11 +11,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
 from pydantic import ValidationError
 
-from .base import LogitsProcessor, LogitsProcessorArgs
+from .base import LogitsProcessor, LogitsProcessorArgs, active_slots
 from .registry import resolve_processors
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class LogitsProcessorPipeline:
         registered = ", ".join(self.names) or "none"
         claimed: set[str] = set()
         out = LogitsProcessorArgs(args)
-        for p in self.processors:
+        for i, p in enumerate(self.processors):
             keys = type(p).declared_keys()
             if keys is None:
                 continue
@@ -72,8 +71,9 @@ class LogitsProcessorPipeline:
                 parsed = type(p).args_model.model_validate(mine, context={"fd_config": self.fd_config})
             except ValidationError as e:
                 err = e.errors()[0]
-                where = ".".join(str(x) for x in err["loc"])
-                raise ValueError(f"logits_processors_args.{where}: {err['msg']}") from None
+                where = ".".join(str(x) for x in err["loc"]) or ", ".join(mine)
+                raise ValueError(f"logits_processors_args.{where}: {err['msg']} (read by {self.names[i]}; "
+                                 f"registered processors: {registered})") from None
             out.update(parsed.model_dump(include=set(mine)))
         unknown = [k for k in args if k not in claimed]
         if unknown and not self._open:
@@ -123,8 +123,8 @@ class LogitsProcessorPipeline:
     @staticmethod
     def _active_rows(share_inputs):
         """(slot, args, sampling params) of each active slot, in row order."""
-        active = np.flatnonzero(~np.asarray(share_inputs["stop_flags"])).tolist()
-        return [(s, share_inputs["logits_processors_args"][s], share_inputs["sampling_params"][s]) for s in active]
+        return [(s, share_inputs["logits_processors_args"][s], share_inputs["sampling_params"][s])
+                for s in active_slots(share_inputs).tolist()]
 
     def _record_failure(self, i, error, rows, failures):
         name = self.names[i]

@@ -1,32 +1,34 @@
-"""Sparse edits of a `[rows, vocab]` logits tensor, batched into one scatter each."""
+"""Sparse, in-place edits of a `[rows, vocab]` logits tensor, each one batched indexed write.
+
+Indices may be Python sequences, numpy arrays or Paddle tensors; processors that keep the same
+edits across steps build the tensors once with `index_tensor` (on the logits' device) and pass
+them in, so a step costs one kernel and no host-to-device copy.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 
 
-def _flat_index(logits: paddle.Tensor, rows, cols) -> paddle.Tensor:
-    vocab = logits.shape[-1]
-    rows = paddle.to_tensor(rows, dtype="int64", place=logits.place)
-    cols = paddle.to_tensor(cols, dtype="int64", place=logits.place)
-    return rows * vocab + cols
+def index_tensor(values, like: paddle.Tensor, dtype: str = "int64") -> paddle.Tensor:
+    """`values` as a tensor on the device of `like`."""
+    if isinstance(values, paddle.Tensor):
+        return values
+    return paddle.to_tensor(np.asarray(values), dtype=dtype, place=like.place)
 
 
 def add_at(logits: paddle.Tensor, rows, cols, values) -> paddle.Tensor:
-    """logits[rows[i], cols[i]] += values[i] (pairs must be distinct)."""
+    """logits[rows[i], cols[i]] += values[i], in place; repeated pairs add up."""
     if len(rows) == 0:
         return logits
-    flat = logits.reshape([-1])
-    index = _flat_index(logits, rows, cols)
-    values = paddle.to_tensor(values, dtype=logits.dtype, place=logits.place)
-    return paddle.scatter(flat, index, paddle.gather(flat, index) + values, overwrite=True).reshape(logits.shape)
+    index = (index_tensor(rows, logits), index_tensor(cols, logits))
+    return logits.index_put_(index, index_tensor(values, logits, logits.dtype), accumulate=True)
 
 
 def fill_at(logits: paddle.Tensor, rows, cols, value: float = float("-inf")) -> paddle.Tensor:
-    """logits[rows[i], cols[i]] = value."""
+    """logits[rows[i], cols[i]] = value, in place."""
     if len(rows) == 0:
         return logits
-    flat = logits.reshape([-1])
-    index = _flat_index(logits, rows, cols)
-    fill = paddle.full([len(rows)], value, dtype=logits.dtype)
-    return paddle.scatter(flat, index, fill, overwrite=True).reshape(logits.shape)
+    index = (index_tensor(rows, logits), index_tensor(cols, logits))
+    return logits.index_put_(index, paddle.full([1], value, dtype=logits.dtype))
