@@ -1,0 +1,146 @@
+"""Custom logits processors the tests register by FQCN (`custom_processors:ClassName`).
+
+pytest puts `tests/` on `sys.path` (rootdir-relative test modules without `__init__.py`), so this
+module imports as `custom_processors`, exactly as a user's own module would.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import paddle
+from paddle import Tensor
+from pydantic import BaseModel
+
+from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.openai.logits_processor import LogitsProcessor
+
+
+# -- The FastDeploy documentation's example, ported by renaming `fastdeploy` to `fastdeploy_lp`. --
+class YourLogitsProcessor(LogitsProcessor):
+    FORCED_TOKEN = 42  # what "enabled" does here: a bias large enough to force this token
+
+    def __init__(self, fd_config: FDConfig) -> None:
+        # Initialize your state variables here, for example obtain dtype, device, etc.
+        # from fd_config. You can freely set the state variables you need, and update them
+        # during each step of inference update_state()
+        self.enabled = None
+        return
+
+    def update_state(self, share_inputs: dict) -> None:
+        """Called when there are new output tokens, prior to each forward pass."""
+        stop_flags = share_inputs["stop_flags"]
+        logits_processors_args = share_inputs["logits_processors_args"]
+        logits_processors_args = [a for a, f in zip(logits_processors_args, stop_flags) if not f]
+        self.enabled = [a.enable_your_logits_processor for a in logits_processors_args]
+        return
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """Apply LogitsProcessor to batch logits tensor. The updated tensor must be returned but may be
+        modified in-place."""
+        for i, e in enumerate(self.enabled):
+            if e:
+                logits[i, self.FORCED_TOKEN] += 1000.0
+        return logits
+
+
+# -- Test instruments --------------------------------------------------------------------------------
+class RecordArgs(BaseModel):
+    record: bool | None = None
+
+
+class _Recorder(LogitsProcessor):
+    """Snapshots, every step, each row's request id, history and logits (a copy, on the host)."""
+
+    args_model = RecordArgs
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        self.steps: list[dict[str, tuple[list[int], np.ndarray]]] = []
+        self._rows: list[tuple[str, list[int]]] = []
+
+    @classmethod
+    def is_enabled_by(cls, args, params=None) -> bool:
+        return True  # sees every row of every step
+
+    def update_state(self, share_inputs):
+        flags = share_inputs["stop_flags"]
+        self._rows = [(share_inputs["req_ids"][s], list(share_inputs["prompt_ids"][s]) + list(share_inputs["output_ids"][s]))
+                      for s in range(len(flags)) if not flags[s]]
+
+    def apply(self, logits):
+        values = logits.numpy().copy()
+        self.steps.append({rid: (history, values[row]) for row, (rid, history) in enumerate(self._rows)})
+        return logits
+
+
+class RecordBefore(_Recorder):
+    """Register first: the logits as the model produced them."""
+
+
+class RecordAfter(_Recorder):
+    """Register last: the logits the sampler receives."""
+
+
+class RaiseArgs(BaseModel):
+    raise_in: Literal["update_state", "apply"] | None = None
+
+
+class RaisingLogitsProcessor(LogitsProcessor):
+    """Raises in `update_state` or `apply` while a row that asked for it is in the batch."""
+
+    args_model = RaiseArgs
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        self._where: set[str] = set()
+
+    def update_state(self, share_inputs):
+        self._where = {a.raise_in for a, f in zip(share_inputs["logits_processors_args"], share_inputs["stop_flags"])
+                       if not f and a.raise_in}
+        if "update_state" in self._where:
+            raise RuntimeError("boom in update_state")
+
+    def apply(self, logits):
+        if "apply" in self._where:
+            raise RuntimeError("boom in apply")
+        return logits
+
+
+class BanArgmaxArgs(BaseModel):
+    ban_argmax: bool | None = None
+
+
+class BanArgmaxLogitsProcessor(LogitsProcessor):
+    """Bans each enabled row's current best token: its result depends on what ran before it."""
+
+    args_model = BanArgmaxArgs
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        self._rows: list[int] = []
+
+    def update_state(self, share_inputs):
+        active = [a for a, f in zip(share_inputs["logits_processors_args"], share_inputs["stop_flags"]) if not f]
+        self._rows = [i for i, a in enumerate(active) if a.ban_argmax]
+
+    def apply(self, logits):
+        if self._rows:
+            rows = paddle.to_tensor(self._rows, dtype="int64")
+            best = paddle.argmax(paddle.index_select(logits, rows), axis=-1)
+            logits.index_put_((rows, best), paddle.full([1], float("-inf"), logits.dtype))
+        return logits
+
+
+class NotAProcessor:
+    """Has the right methods but does not subclass LogitsProcessor."""
+
+    def __init__(self, fd_config):
+        pass
+
+    def update_state(self, share_inputs):
+        pass
+
+    def apply(self, logits):
+        return logits
