@@ -157,6 +157,7 @@ class FDConfig:
     logits_processors: list[str] = field(default_factory=list)
     guided_decoding_backend: str = "llguidance"
     fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
+    tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
 
     @classmethod

@@ -16,6 +16,7 @@ BUILTIN_PROCESSORS: dict[str, str] = {
     "NoRepeatNGramLogitsProcessor": "fastdeploy_lp.processors.builtin.no_repeat_ngram",
     "AllowedTokenIdsLogitsProcessor": "fastdeploy_lp.processors.builtin.allowed_token_ids",
     "ThinkingBudgetLogitsProcessor": "fastdeploy_lp.processors.builtin.thinking_budget",
+    "ToolExecutionLogitsProcessor": "fastdeploy_lp.processors.builtin.tool_execution",
 }
 
 

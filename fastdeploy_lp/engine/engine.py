@@ -143,12 +143,12 @@ class LLMEngine:
             self.sampler.on_admit(request)
         share_inputs = self.scheduler.share_inputs
 
-        while True:  # settle the batch: failed or force-finished requests leave before the forward pass
+        while True:  # settle: processors see failed requests leave and forced tokens land before the pass
             failures = self.pipeline.update_state(share_inputs)
             for slot, message in failures.items():
                 self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
-            forced_out = self._take_forced_tokens(finished)
-            if not failures and not forced_out:
+            appended = self._take_forced_tokens(finished)
+            if not failures and not appended:
                 break
 
         running = self.scheduler.running
@@ -160,10 +160,11 @@ class LLMEngine:
     def _take_forced_tokens(self, finished: list[Request]) -> bool:
         """Collect tokens processors published as certain; with fast-forward, append them now.
 
-        Returns True if that finished a request (the batch changed after `update_state`).
+        Returns True if any were appended: processors then see them (a tool call the forced text
+        completes, a request it finished) before the next token is sampled.
         """
         forced = self.scheduler.share_inputs["forced_tokens"]
-        changed = False
+        appended = False
         for request in self.scheduler.running:
             if forced[request.slot]:
                 request.pending_forced.extend(forced[request.slot])
@@ -175,8 +176,8 @@ class LLMEngine:
                 request.rng.random()  # keep the seeded stream where one sampled step per token leaves it
                 self._append(request, request.pending_forced.popleft(), None, now, finished)
             request.pending_forced.clear()
-            changed |= request.finished
-        return changed
+            appended = True
+        return appended
 
     def _decode(self, running: list[Request], finished: list[Request]) -> None:
         feeds = []

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from ..config import FDConfig
+from ..processors.builtin.tool_execution import load_tool_functions
 from ..sampling_params import SamplingParams
 from .engine import LLMEngine
 from .request import RequestOutput
@@ -25,13 +26,15 @@ class LLM:
                        SamplingParams(temperature=0, max_tokens=32))
         print(out[0].outputs.text)
 
-    `model` defaults to the model that ships with the package. `engine_worker_queue_port` and
+    `model` defaults to the model that ships with the package. `tool_functions` (a dict of
+    callables, or `"pkg.module:REGISTRY"`) serves `ToolExecutionLogitsProcessor`. `engine_worker_queue_port` and
     `cache_queue_port` are accepted (and unused: there is one process) so FastDeploy snippets run.
     """
 
     def __init__(self, model: str | None = None, *, logits_processors: list[str] | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
                  dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
+                 tool_functions: str | dict | None = None,
                  engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
                  **unsupported: Any):
         if unsupported:
@@ -41,6 +44,7 @@ class LLM:
         self.fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          device=device, dtype=dtype, logits_processors=list(logits_processors or []),
                                          guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward)
+        self.fd_config.tool_functions = load_tool_functions(tool_functions)
         self.engine = LLMEngine(self.fd_config)
         self.tokenizer = self.engine.tokenizer
 
