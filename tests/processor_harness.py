@@ -2,7 +2,7 @@
 
 `HandBatch` places requests in chosen slots, appends sampled tokens and frees slots, keeping every
 field of the documented contract (`fastdeploy_lp.engine.scheduler`) consistent; args are validated
-and normalised by a pipeline of all built-ins, as the engine does on admission.
+and normalised by a pipeline of the built-ins, as the engine does on admission.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import numpy as np
 
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.engine.scheduler import new_share_inputs
-from fastdeploy_lp.processors import BUILTIN_PROCESSORS, LogitsProcessorPipeline
+from fastdeploy_lp.processors import LogitsProcessorPipeline
 from fastdeploy_lp.tokenizer import Tokenizer
 
+BUILTINS = ["LogitBiasLogitsProcessor", "BadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor",
+            "AllowedTokenIdsLogitsProcessor", "ThinkingBudgetLogitsProcessor"]
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
 
@@ -29,7 +31,7 @@ class HandBatch:
     def __init__(self, fd_config: FDConfig, num_slots: int | None = None):
         self.fd_config = fd_config
         self.share = new_share_inputs(num_slots or fd_config.max_num_seqs)
-        self._validator = LogitsProcessorPipeline(fd_config, list(BUILTIN_PROCESSORS))
+        self._validator = LogitsProcessorPipeline(fd_config, BUILTINS)
         self._count = 0
 
     def place(self, slot: int, prompt: list[int], args: dict | None = None) -> str:
