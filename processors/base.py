@@ -57,6 +57,18 @@ def batch_key(share_inputs: dict, slots: np.ndarray) -> tuple:
     return tuple((int(s), ids[s], id(args[s])) for s in slots)
 
 
+class RequestFailures(Exception):
+    """Raised by `update_state` to fail only some requests: `{slot: message}`.
+
+    The pipeline finishes those requests with finish reason "error" and the message, and calls
+    `update_state` again for the smaller batch; every other request goes on.
+    """
+
+    def __init__(self, failures: dict[int, str]):
+        super().__init__("; ".join(f"slot {s}: {m}" for s, m in failures.items()))
+        self.failures = dict(failures)
+
+
 class LogitsProcessor:
     """Base class of batch-level logits processors.
 

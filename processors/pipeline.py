@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import paddle
 from pydantic import ValidationError
 
-from .base import LogitsProcessor, LogitsProcessorArgs, active_slots
+from .base import LogitsProcessor, LogitsProcessorArgs, RequestFailures, active_slots
 from .registry import resolve_processors
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,10 @@ class LogitsProcessorPipeline:
 
     def _record_failure(self, i, error, rows, failures):
         name = self.names[i]
+        if isinstance(error, RequestFailures):  # the processor named the requests that failed
+            for slot, message in error.failures.items():
+                failures.setdefault(slot, f"logits processor {name}: {message}")
+            return
         logger.exception("logits processor %s failed", name)
         message = f"logits processor {name} failed: {type(error).__name__}: {error}"
         for slot, args, params in rows:

@@ -1,5 +1,12 @@
-"""Guided decoding with llguidance: JSON schema, regex, choice, grammars, structural tags, tool calls."""
+"""Guided decoding with llguidance: JSON schema, regex, choice, grammars, structural tags, tool calls.
 
+See docs/guided_decoding.md. `GuidedDecodingLogitsProcessor` is installed by the engine; the
+server maps request fields to `GuidedDecodingParams` and tools to `tool_call_constraint`.
+"""
+
+from .compiler import GrammarCompiler, GuidedDecodingError
+from .processor import GuidedDecodingLogitsProcessor
 from .tool_calls import parse_tool_calls, tool_call_constraint
 
-__all__ = ["parse_tool_calls", "tool_call_constraint"]
+__all__ = ["GrammarCompiler", "GuidedDecodingError", "GuidedDecodingLogitsProcessor", "parse_tool_calls",
+           "tool_call_constraint"]
