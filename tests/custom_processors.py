@@ -65,9 +65,9 @@ class _Recorder(LogitsProcessor):
         return True  # sees every row of every step
 
     def update_state(self, share_inputs):
-        flags = share_inputs["stop_flags"]
-        self._rows = [(share_inputs["req_ids"][s], list(share_inputs["prompt_ids"][s]) + list(share_inputs["output_ids"][s]))
-                      for s in range(len(flags)) if not flags[s]]
+        s = share_inputs
+        self._rows = [(s["req_ids"][i], [int(t) for t in s["prompt_ids"][i]] + list(s["output_ids"][i]))
+                      for i in range(len(s["stop_flags"])) if not s["stop_flags"][i]]
 
     def apply(self, logits):
         values = logits.numpy().copy()

@@ -24,7 +24,8 @@ from ..validation import check_token_ids
 
 
 class AllowedTokenIdsArgs(BaseModel):
-    allowed_token_ids: Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)] | None = Field(
+        None, description="the only token ids that may be generated")
 
     @field_validator("allowed_token_ids")
     @classmethod

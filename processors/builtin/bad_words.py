@@ -30,8 +30,10 @@ StrictInt = Annotated[int, Field(strict=True)]
 
 
 class BadWordsArgs(BaseModel):
-    bad_words: list[Annotated[str, Field(strict=True, min_length=1)]] | None = None
-    bad_words_token_ids: list[list[StrictInt]] | None = None
+    bad_words: list[Annotated[str, Field(strict=True, min_length=1)]] | None = Field(
+        None, description="words never to generate (each also banned with a leading space)")
+    bad_words_token_ids: list[list[StrictInt]] | None = Field(
+        None, description="token sequences never to generate, each banned only as a whole")
 
     @field_validator("bad_words_token_ids")
     @classmethod

@@ -25,7 +25,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 class LogitBiasArgs(BaseModel):
-    logit_bias: dict[int, Annotated[float, Field(strict=True)]] | None = None
+    logit_bias: dict[int, Annotated[float, Field(strict=True)]] | None = Field(
+        None, description="token id -> bias added to its logit; ids in the vocabulary, finite biases")
 
     @field_validator("logit_bias")
     @classmethod

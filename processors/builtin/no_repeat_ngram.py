@@ -29,7 +29,8 @@ from ..token_history import TokenHistory
 
 
 class NoRepeatNGramArgs(BaseModel):
-    no_repeat_ngram_size: Annotated[int, Field(strict=True, ge=1)] | None = None
+    no_repeat_ngram_size: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+        None, description="n: no n-gram of prompt + output may occur twice")
 
 
 class NoRepeatNGramLogitsProcessor(LogitsProcessor):

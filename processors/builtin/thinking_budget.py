@@ -29,8 +29,10 @@ from ..token_history import TokenHistory
 
 
 class ThinkingBudgetArgs(BaseModel):
-    thinking_budget: Annotated[int, Field(strict=True, ge=0)] | None = None
-    think_stop_sentence: Annotated[str, Field(strict=True)] | None = None
+    thinking_budget: Annotated[int, Field(strict=True, ge=0)] | None = Field(
+        None, description="most tokens generated inside <think> before </think> is forced")
+    think_stop_sentence: Annotated[str, Field(strict=True)] | None = Field(
+        None, description="text forced before </think> when the budget is spent")
 
     @model_validator(mode="after")
     def _budget_given(self):
