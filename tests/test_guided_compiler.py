@@ -95,6 +95,7 @@ def test_openai_strict_json_schema_admits_no_extra_keys(guide):
 def test_each_form_accepts_its_language(guide):
     cases = [
         (GuidedDecodingParams(json_object=True), '{"any": [1, 2]}', "[1]"),
+        (GuidedDecodingParams(json="true"), "[1, null]", "nul"),
         (GuidedDecodingParams(regex=r"\d{3}-\d{4}"), "555-1234", "555-12345"),
         (GuidedDecodingParams(choice=["yes", "no"]), "no", "maybe"),
         (GuidedDecodingParams(grammar='root ::= "a" [0-9]+'), "a42", "b42"),
@@ -122,6 +123,7 @@ def test_each_form_accepts_its_language(guide):
 
 def test_field_names_in_messages():
     bad = [(GuidedDecodingParams(json=[1]), "guided_json: must be a JSON schema object"),
+           (GuidedDecodingParams(json="false"), "guided_json: must be a JSON schema object (or true), got false"),
            (GuidedDecodingParams(json={"name": "n", "schema": 3}), "guided_json: 'schema' must be"),
            (GuidedDecodingParams(structural_tag={"type": "structural_tag"}), "structural_tag: needs 'format'"),
            (GuidedDecodingParams(structural_tag="{oops"), "structural_tag: invalid JSON"),

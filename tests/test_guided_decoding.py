@@ -299,3 +299,20 @@ def test_compile_over_the_time_limit_is_rejected(llm, monkeypatch):
     monkeypatch.setattr(compiler, "compile_timeout_s", 0.2)
     with pytest.raises(ValueError, match=r"^guided_regex: compiling the constraint took longer than 0.2 s"):
         compiler.compile(GuidedDecodingParams(regex="a{100000}{10}"))
+
+
+# -- forced tokens ------------------------------------------------------------------------------
+def test_forced_tokens_give_the_same_output_with_and_without_fast_forward_in_fewer_steps():
+    kinds = [GuidedDecodingParams(json=CAPITAL_SCHEMA), GuidedDecodingParams(regex="The capital is (Paris|Rome)"),
+             GuidedDecodingParams(grammar=CITY_EBNF), GuidedDecodingParams(structural_tag=WEATHER_DATE_TAG), None]
+    params = [_params(kinds[i % 5], i, max_tokens=40) for i in range(10)]
+    tokens, steps = {}, {}
+    for ff in (True, False):
+        llm = LLM(fixture_dir("qwen2"), max_num_seqs=8, device="cpu", fast_forward=ff)
+        outs = llm.generate([PROMPT] * 10, params, use_tqdm=False)
+        tokens[ff], steps[ff] = [o.outputs.token_ids for o in outs], llm.engine.num_steps
+        for gd, out in zip([kinds[i % 5] for i in range(10)], outs):
+            if gd is not None:
+                _assert_fits(llm, gd, out)
+    assert tokens[True] == tokens[False]
+    assert steps[True] < steps[False]

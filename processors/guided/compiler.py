@@ -133,8 +133,10 @@ def _parse_json(text: str, field: str):
 def _schema(value, field: str) -> dict:
     if isinstance(value, str):
         value = _parse_json(_bounded(value, field), field)
+    if value is True:  # the schema `true`: any JSON value
+        return {}
     if not isinstance(value, dict):
-        raise GuidedDecodingError(field, f"must be a JSON schema object, got {type(value).__name__}")
+        raise GuidedDecodingError(field, f"must be a JSON schema object (or true), got {json.dumps(value)[:40]}")
     check_depth(value, field)
     strict = False
     if "schema" in value and set(value) <= _OPENAI_WRAPPER_KEYS:  # OpenAI's json_schema object

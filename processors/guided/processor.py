@@ -11,7 +11,9 @@ Installed by the engine ahead of the registered processors (unless `guided_decod
 Per step: `update_state` feeds every constrained slot's newly generated tokens to its llguidance
 matcher (one per slot, a copy of the compiled template made when the request joins) and starts
 the batch's bitmask fill on a worker thread (llguidance fills the rows in parallel without the
-GIL), so it runs while the model computes the logits. `apply` joins it, unpacks the bits with
+GIL), so it runs while the model computes the logits. Tokens the grammar forces (`{"name": "` after
+`{` in a schema with one required key) are published in `share_inputs["forced_tokens"]`, which the
+engine appends without sampling — in one pass with fast-forward, one per step without, same output. `apply` joins it, unpacks the bits with
 numpy, uploads the `[constrained rows, vocab]` mask once and sets every disallowed logit of those
 rows to -inf in one `paddle.where`; unconstrained rows are untouched.
 
@@ -24,6 +26,7 @@ option overrode the mask) fails only that request, with the matcher's message.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
@@ -41,24 +44,37 @@ COMPILED = "guided_decoding.compiled"  # key in SamplingParams.extra set at admi
 
 
 class _SlotMatcher:
-    """One request's matcher and how many of its output tokens it has consumed."""
+    """One request's matcher and how far through the request's output it is."""
 
     def __init__(self, matcher: llg.LLMatcher, output_ids: list[int]):
         self.matcher = matcher
         self.output_ids = output_ids  # the request's live list: identifies the request in the slot
-        self.consumed = 0
+        self.consumed = 0  # output tokens accounted for
+        self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
 
     def advance(self) -> str | None:
         """Consume the tokens generated since the last call; an error message if one is rejected."""
-        new = self.output_ids[self.consumed:]
-        if new and not self.matcher.consume_tokens(new):
-            return f"guided decoding: generated token does not fit the constraint: {self.matcher.get_error()}"
-        self.consumed += len(new)
+        for token in self.output_ids[self.consumed:]:
+            self.consumed += 1
+            if self.ahead and self.ahead[0] == token:  # a forced token we published, now in the output
+                self.ahead.popleft()
+                continue
+            if self.ahead:  # the output went another way: forget what we had assumed
+                self.matcher.rollback(len(self.ahead))
+                self.ahead.clear()
+            if not self.matcher.consume_token(token):
+                return f"guided decoding: generated token does not fit the constraint: {self.matcher.get_error()}"
         return None
 
-    def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (for fast-forward); consuming them is up to the caller."""
-        return self.matcher.compute_ff_tokens()
+    def publish_forced(self, forced: list[int]) -> None:
+        """Append the tokens the grammar forces next to `forced` (share_inputs["forced_tokens"][slot])
+        and consume them now, as the engine's contract asks; they come back through `output_ids`."""
+        if self.ahead or self.matcher.is_stopped():
+            return
+        tokens = self.matcher.compute_ff_tokens()
+        if tokens and self.matcher.consume_tokens(tokens):
+            self.ahead.extend(tokens)
+            forced.extend(tokens)
 
 
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
@@ -101,6 +117,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if s not in live:
                 self._slots[s] = None
         failures, work = {}, []
+        forced = share_inputs.get("forced_tokens")  # the engine appends them (at once with fast-forward)
         for row, slot in enumerate(slots.tolist()):
             state = self._slot(slot, share_inputs)
             if state is None:
@@ -110,6 +127,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                 failures[slot] = error
                 self._slots[slot] = None
                 continue
+            if forced is not None:
+                state.publish_forced(forced[slot])
             work.append((state.matcher, len(self._rows)))
             self._rows.append(row)
         if failures:
@@ -155,9 +174,3 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if self._fill is not None:
             fill, self._fill = self._fill, None
             fill.result()
-
-    def forced_tokens(self, slot: int) -> list[int]:
-        """The tokens the grammar forces next for the request in `slot` ([] if none or unconstrained)."""
-        self._join()
-        state = self._slots[slot]
-        return [] if state is None else state.forced_tokens()
