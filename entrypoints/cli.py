@@ -1,0 +1,77 @@
+"""The `fastdeploy-lp` command.
+
+    fastdeploy-lp demo                      # a short offline demo on the built-in model
+    fastdeploy-lp serve --port 8180 ...     # the OpenAI-compatible server (see `serve --help`)
+
+Also runnable as `python -m fastdeploy_lp.entrypoints.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import default_model_path
+from .openai.args import add_server_args
+
+CAPITAL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[\\w]+$"}, "population": {"type": "integer"}},
+    "required": ["name", "population"],
+}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastdeploy-lp",
+                                     description="fastdeploy_lp: a Paddle LLM engine with a logits-processor "
+                                                 "pipeline and an OpenAI-compatible server.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible server.",
+                           description="Run the OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
+                                       "/v1/models, /v1/logits_processors, /health, /metrics.")
+    add_server_args(serve)
+    demo = sub.add_parser("demo", help="Answer a question offline on the built-in model and print it.",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--model", default=default_model_path(), help="Checkpoint directory.")
+    demo.add_argument("--device", default=None, help="Paddle device (default: gpu when available, else cpu).")
+    demo.add_argument("--max-tokens", type=int, default=48, help="Most tokens per answer.")
+    return parser
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ..engine.llm import LLM
+    from ..sampling_params import GuidedDecodingParams, SamplingParams
+
+    try:
+        llm = LLM(args.model, device=args.device, max_num_seqs=2)
+    except (ValueError, OSError) as e:
+        print(f"fastdeploy-lp demo: cannot load the model: {e}", file=sys.stderr)
+        return 2
+    question = "What is the capital of France?"
+    out = llm.chat([{"role": "user", "content": question}],
+                   SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)[0]
+    print(f"Q: {question}\nA: {out.outputs.text.strip()}")
+
+    if not any(type(p).__name__ == "GuidedDecodingLogitsProcessor" for p in llm.engine.pipeline.processors):
+        print("\n(guided decoding is not available in this build; skipping the JSON-schema answer)")
+        return 0
+    prompt = f"{question} Answer in JSON with the city's name and its population."
+    params = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 96),
+                            guided_decoding=GuidedDecodingParams(json=CAPITAL_SCHEMA))
+    out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    print(f"\nQ: {prompt}\n   (constrained to the JSON schema {json.dumps(CAPITAL_SCHEMA)})\nA: {out.outputs.text.strip()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.command == "serve":
+        from .openai.api_server import run_server
+
+        return run_server(args)
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
