@@ -1,0 +1,85 @@
+"""Start a real `api_server` subprocess on 127.0.0.1 for the server tests, and stop it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+QWEN2 = os.path.join(TESTS_DIR, "fixtures", "hf", "qwen2")
+TEST_PROCESSORS = ["server_processors:ForceTokenLogitsProcessor", "server_processors:SlowLogitsProcessor",
+                   "server_processors:FailingLogitsProcessor"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: str, metrics_port: int | None):
+        self.proc = proc
+        self.port = port
+        self.metrics_port = metrics_port
+        self.log_path = log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of /metrics, e.g. metric('fastdeploy_lp:num_requests_running')."""
+        text = httpx.get(self.url("/metrics"), timeout=10).text
+        pattern = re.escape(name + (("{" + labels + "}") if labels else "")) + r" ([-+0-9.e]+)$"
+        m = re.search(pattern, text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env: dict | None = None,
+                 timeout: float = 90.0) -> RunningServer:
+    port = free_port()
+    mport = free_port() if metrics_port else None
+    cmd = [sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
+    if mport is not None:
+        cmd += ["--metrics-port", str(mport)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, full_env.get("PYTHONPATH")) if p)
+    full_env.pop("FASTDEPLOY_LP_API_KEY", None)
+    full_env.update(env or {})
+    log = tempfile.NamedTemporaryFile("w", prefix="fdlp-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = RunningServer(proc, port, log.name, mport)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url("/health"), timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout}s:\n{server.log()}")
