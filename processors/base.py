@@ -24,6 +24,7 @@ Example (the FastDeploy example, unchanged but for the package name):
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, ClassVar
 
 import numpy as np
@@ -99,7 +100,7 @@ class LogitsProcessor:
     @classmethod
     def declared_keys(cls) -> frozenset[str] | None:
         """The request keys this processor reads, or None if it does not declare them."""
-        return None if cls.args_model is None else frozenset(cls.args_model.model_fields)
+        return None if cls.args_model is None else _model_keys(cls.args_model)
 
     @classmethod
     def is_enabled_by(cls, args: LogitsProcessorArgs, params=None) -> bool:
@@ -108,3 +109,8 @@ class LogitsProcessor:
         if keys is None:
             return bool(args)
         return any(args.get(k) is not None for k in keys)
+
+
+@cache
+def _model_keys(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields)
