@@ -19,8 +19,8 @@ import paddle
 
 
 class TokenHistory:
-    def __init__(self, capacity: int = 0, device: bool = False):
-        self.capacity = max(int(capacity), 16)
+    def __init__(self, capacity: int = 256, device: bool = False):
+        self.capacity = max(int(capacity), 16)  # grows (doubling) with the longest history seen
         self.device = device
         self.ids: np.ndarray | None = None        # [slots, capacity] int64, host
         self.tensor: paddle.Tensor | None = None  # the same on the default Paddle device (device=True)

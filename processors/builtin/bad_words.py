@@ -71,7 +71,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
-        self._history = TokenHistory(fd_config.max_model_len)
+        self._history = TokenHistory()
         self._key = None
         self._single = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (rows, ids) banned whatever the history
         self._single_tensors = None       # the same on the logits' device, built at the first apply

@@ -38,7 +38,7 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
-        self._history = TokenHistory(fd_config.max_model_len, device=True)
+        self._history = TokenHistory(device=True)
         self._key = None
         self._groups: list[tuple[int, np.ndarray, np.ndarray]] = []  # (n, rows, slots) per distinct n
         self._slots = np.zeros(0, np.int64)

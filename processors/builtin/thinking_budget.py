@@ -65,7 +65,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
         tokenizer = fd_config.tokenizer
         self._open = np.array(marker_ids(tokenizer, "<think>"), np.int64)
         self._close = np.array(marker_ids(tokenizer, "</think>"), np.int64)
-        self._history = TokenHistory(fd_config.max_model_len)
+        self._history = TokenHistory()
         self._key = None
         self._rows = self._slots = self._budget = np.zeros(0, np.int64)
         self._forced = np.zeros((0, 1), np.int64)  # per enabled row: stop sentence + </think>, -1 padded
