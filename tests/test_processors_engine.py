@@ -148,3 +148,18 @@ def test_processor_timings_count_each_processor_separately():
     later = llm.engine.processor_timings()
     assert later["NoRepeatNGramLogitsProcessor"]["calls"] == 3 and later["LogitBiasLogitsProcessor"]["calls"] == 5
     assert later["LogitBiasLogitsProcessor"]["update_state_seconds"] > bias["update_state_seconds"]
+
+
+def test_allowed_tokens_and_thinking_budget_through_generate():
+    llm = make_llm(["AllowedTokenIdsLogitsProcessor", "ThinkingBudgetLogitsProcessor"])
+    tok = llm.tokenizer
+    thinking = tok.encode("question<think>")
+    out = generate(llm, [PROMPTS[0], thinking, thinking + tok.encode("ok</think>")], [
+        greedy(10, allowed_token_ids=[3, 4, 5]),
+        greedy(16, thinking_budget=2, think_stop_sentence="Done."),
+        greedy(12, thinking_budget=0)])
+    assert set(out[0].token_ids) <= {3, 4, 5}
+    forced = tok.encode("Done.") + tok.encode("</think>")
+    assert out[1].token_ids[2:2 + len(forced)] == forced
+    assert tok.decode(forced) == "Done.</think>"
+    assert tok.encode("</think>") != out[2].token_ids[:len(tok.encode("</think>"))]  # already closed: untouched
