@@ -162,4 +162,5 @@ def test_allowed_tokens_and_thinking_budget_through_generate():
     forced = tok.encode("Done.") + tok.encode("</think>")
     assert out[1].token_ids[2:2 + len(forced)] == forced
     assert tok.decode(forced) == "Done.</think>"
-    assert tok.encode("</think>") != out[2].token_ids[:len(tok.encode("</think>"))]  # already closed: untouched
+    closed = generate(llm, [thinking + tok.encode("ok</think>")], greedy(12))[0]
+    assert out[2].token_ids == closed.token_ids  # thinking already closed in the prompt: untouched
