@@ -17,7 +17,7 @@ setup(
     name="fastdeploy_lp",
     version="0.1.0",
     description="Paddle LLM inference engine with a registered logits-processor pipeline",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=core + processors + entrypoints,
     package_dir={
         "fastdeploy_lp": "fastdeploy_lp",

@@ -158,6 +158,7 @@ class FDConfig:
     guided_decoding_backend: str = "llguidance"
     fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
+    custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
 
     @classmethod

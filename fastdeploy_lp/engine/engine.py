@@ -21,6 +21,8 @@ import numpy as np
 
 from ..config import FDConfig
 from ..processors.builtin.bad_words import word_sequences
+from ..processors.custom_backends import RequestLogitsProcessorAdapter
+from ..processors.guided import GuidedDecodingLogitsProcessor
 from ..processors.pipeline import LogitsProcessorPipeline
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
@@ -33,14 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 def leading_processors(fd_config: FDConfig) -> list:
-    """Processors the engine installs ahead of the registered ones (guided decoding)."""
-    if fd_config.guided_decoding_backend == "off":
-        return []
-    try:
-        from ..processors.guided import GuidedDecodingLogitsProcessor
-    except ImportError:  # guided decoding not available in this build
-        return []
-    return [GuidedDecodingLogitsProcessor(fd_config)]
+    """Processors the engine installs ahead of the registered ones: guided decoding (unless its
+    backend is "off") and, when custom backends are loaded, the adapter that runs theirs."""
+    leading = []
+    if fd_config.guided_decoding_backend != "off":
+        leading.append(GuidedDecodingLogitsProcessor(fd_config))
+    if fd_config.custom_guided_decoding_backends:
+        leading.append(RequestLogitsProcessorAdapter(fd_config))
+    return leading
 
 
 class LLMEngine:
