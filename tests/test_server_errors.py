@@ -241,3 +241,15 @@ def test_constraints_are_refused_when_guided_decoding_is_off():
         assert httpx.post(s.url("/v1/chat/completions"), json=chat(), timeout=30).status_code == 200
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("fields", [{"guided_regex": "(unclosed"},
+                                    {"response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                                    {"guided_grammar": "root ::= \"a\" ("}],
+                         ids=["regex", "json-schema", "grammar"])
+def test_a_constraint_the_grammar_engine_rejects_is_a_400(server, fields):
+    r = post(server, "/v1/chat/completions", chat(**fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"]
+    assert_serves(server)

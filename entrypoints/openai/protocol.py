@@ -61,8 +61,8 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(p.text or "" for p in self.content)
-        elif self.content is None:
-            out["content"] = ""
+        elif self.content is None:  # tool-call turns keep None, which tool-aware templates test for
+            out["content"] = None if self.tool_calls else ""
         if self.role == "developer":  # OpenAI's newer name for the system turn
             out["role"] = "system"
         return out
@@ -185,18 +185,37 @@ class _SamplingRequest(BaseModel):
         """The field that carries this request's output constraint (for error messages)."""
         return next((f for f in GUIDED_FIELDS if getattr(self, f) is not None), "response_format")
 
-    def guided_decoding(self) -> GuidedDecodingParams | None:
-        """The one output constraint this request asks for, or None. Raises ValueError("field: ...")."""
+    def guided_decoding(self, tool_constraint: GuidedDecodingParams | None = None) -> GuidedDecodingParams | None:
+        """The one output constraint this request asks for, or None. Raises ValueError("field: ...").
+
+        `tool_constraint` is the constraint its tools imply (chat); it excludes the other forms.
+        """
         given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None
                  and not (f == "response_format" and self.response_format.type == "text")]
+        if tool_constraint is not None and given:
+            raise ValueError(f"{given[0]}: cannot be combined with tools (a tool call is itself an output "
+                             "constraint); send one or the other")
         if len(given) > 1:
             raise ValueError(f"{given[1]}: only one output constraint per request; got {', '.join(given)}")
+        if tool_constraint is not None:
+            guided, kwargs = tool_constraint, None
+        elif not given:
+            guided, kwargs = None, None
+        else:
+            kwargs = self._constraint(given[0])
         ws = self.guided_whitespace_pattern
-        if not given:
+        if kwargs is not None:
             if ws is not None:
-                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint")
-            return None
-        field = given[0]
+                kwargs["whitespace_pattern"] = ws
+            return GuidedDecodingParams(**kwargs)
+        if ws is not None:
+            if guided is None or not set(guided.kinds()) & {"json", "json_object", "structural_tag"}:
+                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint, "
+                                 "a structural tag, or tools")
+            guided.whitespace_pattern = ws
+        return guided
+
+    def _constraint(self, field: str) -> dict[str, Any]:
         if field == "response_format":
             kwargs = _response_format_constraint(self.response_format)
         elif field == "guided_json":
@@ -209,11 +228,10 @@ class _SamplingRequest(BaseModel):
             kwargs = {"grammar": self.guided_grammar}
         else:
             kwargs = {"structural_tag": _json_value("structural_tag", self.structural_tag, want=dict)}
-        if ws is not None:
-            if "json" not in kwargs and "json_object" not in kwargs:
-                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint")
-            kwargs["whitespace_pattern"] = ws
-        return GuidedDecodingParams(**kwargs)
+        if self.guided_whitespace_pattern is not None and not kwargs.keys() & {"json", "json_object", "structural_tag"}:
+            raise ValueError(f"guided_whitespace_pattern: only applies together with a JSON constraint, "
+                             f"a structural tag, or tools, not with {field}")
+        return kwargs
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any], guided: GuidedDecodingParams | None) -> SamplingParams:

@@ -33,18 +33,15 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         tools_active = bool(req.tools) and req.tool_choice != "none"
         with value_errors_as_400():
-            guided = req.guided_decoding()
             tool_guided = self._tool_constraint(req) if tools_active else None
-            if tool_guided is not None:
-                if guided is not None:
-                    raise ValueError("tools: a tool call cannot be combined with response_format or guided_* "
-                                     "constraints; send one or the other")
-                guided = tool_guided
+            guided = req.guided_decoding(tool_guided)
             self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
             max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
                                          defaults=self.generation_defaults, guided=guided)
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        if params.logprobs is not None:
+            await self.warm_token_table()
         stream = await self.submit(prompt_ids, params, renames={"prompt": "messages", "max_tokens": max_field})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prefix = _echo_prefix(req)

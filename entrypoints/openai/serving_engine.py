@@ -64,6 +64,11 @@ class OpenAIServing:
                    else "guided decoding is not available in this build")
             raise bad_request(f"{field}: output constraints are not supported: {why}", param=field)
 
+    async def warm_token_table(self) -> None:
+        """Build the id → bytes table (for logprobs) off the event loop on first use."""
+        if "token_bytes" not in vars(self.tokenizer):
+            await asyncio.to_thread(lambda: self.tokenizer.token_bytes)
+
     async def submit(self, prompt: str | list[int], params: SamplingParams,
                      renames: dict[str, str] | None = None) -> RequestStream:
         try:
