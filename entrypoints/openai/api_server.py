@@ -284,7 +284,8 @@ def run_server(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"fastdeploy-lp: cannot start: --metrics-port {args.metrics_port}: {e}", file=sys.stderr)
             return 2
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                            timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     try:
         server.run()
