@@ -104,6 +104,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             params.extra[COMPILED] = self.compiler.compile(params.guided_decoding)
 
     @classmethod
+    def declared_keys(cls) -> frozenset[str]:
+        """No `logits_processors_args` keys: requests reach it through `SamplingParams.guided_decoding`.
+        (Returning None would make the pipeline accept any unknown key.)"""
+        return frozenset()
+
+    @classmethod
     def is_enabled_by(cls, args, params=None) -> bool:
         return params is not None and params.guided_decoding is not None
 
