@@ -13,7 +13,7 @@ import json
 import sys
 
 from ..config import default_model_path
-from .openai.args import add_server_args
+from .openai.args import add_server_args, missing_model_hint
 
 CAPITAL_SCHEMA = {
     "type": "object",
@@ -46,7 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, device=args.device, max_num_seqs=2)
     except (ValueError, OSError) as e:
-        print(f"fastdeploy-lp demo: cannot load the model: {e}", file=sys.stderr)
+        print(f"fastdeploy-lp demo: cannot load the model: {e}{missing_model_hint(args.model)}", file=sys.stderr)
         return 2
     question = "What is the capital of France?"
     out = llm.chat([{"role": "user", "content": question}],

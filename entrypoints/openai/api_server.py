@@ -29,10 +29,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import FDConfig
-from ...engine.async_engine import AsyncLLMEngine
+from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError
 from ...engine.engine import LLMEngine
 from ...processors.registry import BUILTIN_PROCESSORS
-from .args import make_parser, resolve_api_key
+from .args import make_parser, missing_model_hint, resolve_api_key
 from .errors import OpenAIError, bad_request, from_error_dicts, from_validation_error
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -179,6 +179,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         err = OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(EngineNotServingError)
+    async def engine_stopped(_, exc: EngineNotServingError):  # the engine stopped while we waited
+        err = OpenAIError(503, f"not serving: {exc}", code="not_serving")
+        return JSONResponse(err.body(), status_code=503)
+
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_, exc: ClientDisconnected):
         return Response(status_code=499)
@@ -272,7 +277,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(args)
     except (ValueError, OSError, ImportError) as e:  # bad processor name, missing model, bad flag value
-        print(f"fastdeploy-lp: cannot start: {e}", file=sys.stderr)
+        print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(args.model)}", file=sys.stderr)
         return 2
     app = build_app(engine, settings_from_args(args))
     metrics_server = None

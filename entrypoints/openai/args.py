@@ -85,6 +85,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def missing_model_hint(model: str) -> str:
+    """Extra words for a start-up failure when the built-in model is not installed."""
+    if os.path.abspath(model) == os.path.abspath(default_model_path()) and \
+            not os.path.isfile(os.path.join(model, "config.json")):
+        return " (the built-in model is not installed in this checkout; pass --model DIR with a Hugging Face checkpoint)"
+    return ""
+
+
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """The flag, else the environment variable (read after parsing so --help never shows it)."""
     return args.api_key or os.environ.get(API_KEY_ENV) or None
