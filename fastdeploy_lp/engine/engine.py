@@ -68,14 +68,21 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> list[str]:
+                    request_id: str | None = None, add_special_tokens: bool = True) -> list[str]:
         """Validate and queue one prompt; returns the ids of its `params.n` sequences.
 
         Raises `ValueError` naming the offending field; nothing is queued then.
         """
+        requests = self.make_requests(prompt, params, request_id, add_special_tokens)
+        self.enqueue(requests)
+        return [r.request_id for r in requests]
+
+    def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, add_special_tokens: bool = True) -> list[Request]:
+        """Validate one prompt and build its `params.n` requests without queueing them."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             text, ids = None, [int(t) for t in prompt]
         else:
@@ -84,19 +91,22 @@ class LLMEngine:
         args = self.pipeline.validate(params)
         bad_words = word_sequences(self.tokenizer, params.bad_words or [])
         request_id = request_id or uuid.uuid4().hex
-        ids_out = []
+        requests = []
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             seed = None if params.seed is None else params.seed + i
-            self._incoming.put(Request(
-                request_id=child_id, group_id=request_id, prompt_ids=ids, params=params, prompt=text, index=i, args=args,
+            requests.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}-{i}", group_id=request_id,
+                prompt_ids=ids, params=params, prompt=text, index=i, args=args,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output),
                 rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng(),
                 bad_word_ids=bad_words))
-            ids_out.append(child_id)
+        return requests
+
+    def enqueue(self, requests: list[Request]) -> None:
+        for r in requests:
+            self._incoming.put(r)
         with self._lock:
-            self._pending += params.n
-        return ids_out
+            self._pending += len(requests)
 
     def _check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         vocab, limit = self.fd_config.model_config.vocab_size, self.fd_config.max_model_len
@@ -113,6 +123,9 @@ class LLMEngine:
         room = limit - len(ids)
         if params.max_tokens is None:
             return params.clone(max_tokens=room)
+        if params.guided_decoding is not None and not any(
+                isinstance(p, GuidedDecodingLogitsProcessor) for p in self.pipeline.processors):
+            raise ValueError("guided_decoding: guided decoding is off on this engine (guided_decoding_backend='off')")
         if params.max_tokens > room:
             raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                              f"max_model_len={limit}; at most {room} tokens can be generated")

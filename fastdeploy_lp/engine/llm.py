@@ -69,21 +69,21 @@ class LLM:
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tools=tools,
                                                       **(chat_template_kwargs or {})) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        # The template writes any BOS itself, so the tokenizer must not add another.
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
-    def _run(self, prompts, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, use_tqdm, add_special_tokens=True) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
-        order: list[str] = []
-        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
-            self.engine._check(self._ids(prompt), p)
-            self.engine.pipeline.validate(p)
-        for prompt, p in zip(prompts, params):
-            order += self.engine.add_request(prompt, p)
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        requests = [r for prompt, p in zip(prompts, params)
+                    for r in self.engine.make_requests(prompt, p, add_special_tokens=add_special_tokens)]
+        self.engine.enqueue(requests)
+        order = [r.request_id for r in requests]
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
@@ -92,6 +92,3 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in order]
-
-    def _ids(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
