@@ -92,7 +92,8 @@ class AttentionBatch:
     seq_lens: list[int] | None = None
     max_len: int = 0
     span: int = field(default=0, init=False)
-    slot_index: paddle.Tensor | None = field(default=None, init=False, repr=False)
+    slot_range: tuple[int, int] = field(default=(0, 0), init=False)
+    slot_index: paddle.Tensor | None = field(default=None, init=False, repr=False)  # within slot_range
     mask: paddle.Tensor | None = field(default=None, init=False, repr=False)
     _rotary: tuple | None = field(default=None, init=False, repr=False)
 
@@ -103,7 +104,11 @@ class AttentionBatch:
         if len(set(self.seq_new)) != 1:
             raise ValueError("sequences of one cached pass must add the same number of tokens")
         self.span = max(self.seq_lens)
-        self.slot_index = paddle.to_tensor(self.seq_slots, dtype="int64")
+        # Read the cache through a view of the slots' range; gather only when slots have gaps.
+        lo, hi = min(self.seq_slots), max(self.seq_slots) + 1
+        self.slot_range = (lo, hi)
+        if hi - lo != len(self.seq_slots):
+            self.slot_index = paddle.to_tensor([s - lo for s in self.seq_slots], dtype="int64")
         self.mask = self._mask()
 
     def rotary_tables(self, rotary: "RotaryEmbedding", dtype):
@@ -163,6 +168,11 @@ class Attention(nn.Layer):
             out = self._cached(q, batch, k_cache, v_cache)
         return paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
 
+    def _slot_view(self, cache, batch: AttentionBatch):
+        lo, hi = batch.slot_range
+        view = cache.reshape([-1, batch.max_len, self.num_kv_heads, self.head_dim])[lo:hi, :batch.span]
+        return view if batch.slot_index is None else paddle.index_select(view, batch.slot_index)
+
     def _causal(self, q, k, v):
         """One sequence, all positions (training and tests): [T, H, D] -> [T, H, D]."""
         return F.scaled_dot_product_attention(
@@ -181,9 +191,7 @@ class Attention(nn.Layer):
         """
         seqs, new, span = len(batch.seq_slots), batch.seq_new[0], batch.span
         hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        shape = [-1, batch.max_len, hkv, dim]
-        keys = paddle.index_select(k_cache.reshape(shape), batch.slot_index)[:, :span]       # [S, L, Hkv, D]
-        values = paddle.index_select(v_cache.reshape(shape), batch.slot_index)[:, :span]
+        keys, values = (self._slot_view(c, batch) for c in (k_cache, v_cache))              # [S, L, Hkv, D]
         keys = keys.transpose([0, 2, 3, 1]).reshape([seqs * hkv, dim, span])
         values = values.transpose([0, 2, 1, 3]).reshape([seqs * hkv, span, dim])
         q = q.reshape([seqs, new, hkv, group, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs * hkv, new * group, dim])
