@@ -31,8 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...config import FDConfig
 from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError
 from ...engine.engine import LLMEngine
+from ...processors.builtin.tool_execution import load_tool_functions
+from ...processors.custom_backends import load_custom_backends
 from ...processors.registry import BUILTIN_PROCESSORS
-from .args import make_parser, missing_model_hint, resolve_api_key
+from .args import check_guided_decoding_backend, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
 from .errors import OpenAIError, bad_request, from_error_dicts, from_validation_error
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -253,9 +255,15 @@ def _document_request_models(app: FastAPI, models) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
+    custom = {}
+    if args.custom_guided_decoding_backends:
+        custom = load_custom_backends(args.custom_guided_decoding_backends, trust_custom_code(args))
+    check_guided_decoding_backend(args.guided_decoding_backend, custom)
     fd_config = FDConfig.create(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                 device=args.device, dtype=args.dtype, logits_processors=list(args.logits_processors),
                                 guided_decoding_backend=args.guided_decoding_backend)
+    fd_config.custom_guided_decoding_backends = custom
+    fd_config.tool_functions = load_tool_functions(args.tool_functions)
     return LLMEngine(fd_config)
 
 

@@ -7,9 +7,10 @@ import argparse
 import os
 
 from ...config import default_model_path
+from ...processors.custom_backends import TRUST_ENV
 
 API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
-GUIDED_DECODING_BACKENDS = ("llguidance", "off")
+BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
 
 
 def _positive_int(text: str) -> int:
@@ -56,9 +57,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Logits processors, applied in this order: a built-in name "
                             "(e.g. LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable "
                             "them through 'logits_processors_args'.")
-    model.add_argument("--guided-decoding-backend", default="llguidance", choices=GUIDED_DECODING_BACKENDS,
-                       help="Grammar engine for response_format / guided_* / tools; 'off' disables "
-                            "constrained output (such requests then get a 400).")
+    model.add_argument("--guided-decoding-backend", default="llguidance", metavar="NAME",
+                       help="Default backend for response_format / guided_* / tools: llguidance, 'off' "
+                            "(constrained requests then get a 400), or the name of a custom backend loaded "
+                            "with --custom-guided-decoding-backends. Requests may pick another with "
+                            "nvext.guided_decoding_backend or guided_decoding_backend.")
+    model.add_argument("--custom-guided-decoding-backends", default=None, metavar="DIR",
+                       help="Directory of custom backends, one DIR/NAME/backend.py each (NVIDIA NIM's "
+                            "layout; wheels beside it are installed offline into a private directory). "
+                            "Needs --trust-custom-code.")
+    model.add_argument("--trust-custom-code", action="store_true",
+                       help=f"Allow loading code from --custom-guided-decoding-backends (also "
+                            f"{TRUST_ENV}=1).")
+    model.add_argument("--tool-functions", default=None, metavar="pkg.module:REGISTRY",
+                       help="A dict of name -> callable that ToolExecutionLogitsProcessor may run when "
+                            "the model writes <function>name(args)</function>. Requests never name code.")
 
     server = parser.add_argument_group("HTTP server")
     server.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
@@ -91,6 +104,16 @@ def missing_model_hint(model: str) -> str:
             not os.path.isfile(os.path.join(model, "config.json")):
         return " (the built-in model is not installed in this checkout; pass --model DIR with a Hugging Face checkpoint)"
     return ""
+
+
+def trust_custom_code(args: argparse.Namespace) -> bool:
+    return args.trust_custom_code or os.environ.get(TRUST_ENV, "").lower() in ("1", "true", "yes")
+
+
+def check_guided_decoding_backend(name: str, custom: dict) -> None:
+    if name not in BUILTIN_GUIDED_DECODING_BACKENDS and name not in custom:
+        raise ValueError(f"--guided-decoding-backend: unknown backend {name!r}; available: "
+                         f"{', '.join([*BUILTIN_GUIDED_DECODING_BACKENDS, *custom])}")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -115,6 +115,13 @@ class ResponseFormat(BaseModel):
     triggers: list[str] | None = None
 
 
+class NvExt(BaseModel):
+    """NVIDIA NIM's extension object; other keys are passed to custom backends untouched."""
+
+    model_config = _NESTED
+    guided_decoding_backend: str | None = None
+
+
 # -- requests -------------------------------------------------------------------------------------
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share."""
@@ -158,6 +165,10 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = Field(None, description="EBNF (GBNF `root ::= ...`) or Lark grammar.")
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_pattern: str | None = None
+    # custom guided-decoding backends (NVIDIA NIM's form, or top-level)
+    nvext: NvExt | None = None
+    guided_decoding_backend: str | None = Field(
+        None, description="A backend loaded with --custom-guided-decoding-backends, or 'llguidance'.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -178,6 +189,14 @@ class _SamplingRequest(BaseModel):
         return self
 
     # -- mapping to the engine ------------------------------------------------------------------
+    def requested_backend(self) -> tuple[str | None, str]:
+        """The guided-decoding backend this request names, and the field that named it."""
+        if self.guided_decoding_backend is not None:
+            return self.guided_decoding_backend, "guided_decoding_backend"
+        if self.nvext is not None and self.nvext.guided_decoding_backend is not None:
+            return self.nvext.guided_decoding_backend, "nvext.guided_decoding_backend"
+        return None, "guided_decoding_backend"
+
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 

@@ -22,24 +22,25 @@ from .protocol import ChatCompletionRequest
 from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error, engine_error_event,
                              final_outputs, sse, usage, value_errors_as_400)
 
-try:  # built by the guided-decoding work (processors/guided/tool_calls.py); optional until it lands
-    from ...processors.guided.tool_calls import parse_tool_calls, tool_call_constraint
-except ImportError:
-    parse_tool_calls = tool_call_constraint = None
+from ...processors.guided.tool_calls import parse_tool_calls, tool_call_constraint
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
         self.check_model(req.model)
+        backend = self.custom_backend(req)
         tools_active = bool(req.tools) and req.tool_choice != "none"
         with value_errors_as_400():
-            tool_guided = self._tool_constraint(req) if tools_active else None
+            tool_guided = self._tool_constraint(req) if tools_active and backend is None else None
             guided = req.guided_decoding(tool_guided)
-            self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
+            if backend is None:
+                self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
             max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
                                          defaults=self.generation_defaults, guided=guided)
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        if backend is not None:
+            await self.use_custom_backend(backend, req, params)
         if params.logprobs is not None:
             await self.warm_token_table()
         stream = await self.submit(prompt_ids, params, renames={"prompt": "messages", "max_tokens": max_field})
@@ -49,9 +50,10 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(request_id, stream, params.n, prefix, parse, include_usage, req.logprobs)
-            return SSEResponse(body, [stream], headers=headers)
+            return SSEResponse(await self.finish_with_backend(backend, body, raw), [stream], headers=headers)
         finals = (await final_outputs([stream], raw))[0]
-        return JSONResponse(self._response(request_id, finals, prefix, parse), headers=headers)
+        response = await self.finish_with_backend(backend, self._response(request_id, finals, prefix, parse), raw)
+        return JSONResponse(response, headers=headers)
 
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
@@ -72,11 +74,6 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()
-        if tool_call_constraint is None:
-            if choice != "auto":
-                raise ValueError("tool_choice: forcing a tool call needs the guided-decoding tool-call module, "
-                                 "which this build lacks; use tool_choice 'auto' or 'none'")
-            return None
         constraint = tool_call_constraint(req.tools_for_template(), choice)
         if constraint is not None and not self.guided_available and choice == "auto":
             return None  # the model may still answer in the tool-call format; it is parsed either way

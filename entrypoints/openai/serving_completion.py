@@ -24,9 +24,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
         self.check_model(req.model)
+        backend = self.custom_backend(req)
         with value_errors_as_400():
             guided = req.guided_decoding()
-            self.check_guided(guided, req.constraint_field())
+            if backend is None:
+                self.check_guided(guided, req.constraint_field())
             params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                                          defaults=self.generation_defaults, guided=guided)
         if params.logprobs is not None:
@@ -36,7 +38,11 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             for k, prompt in enumerate(prompts):
                 renames = {"prompt": f"prompt[{k}]"} if len(prompts) > 1 else None
-                streams.append(await self.submit(prompt, params, renames=renames))
+                prompt_params = params
+                if backend is not None:  # each prompt gets its own processor from the backend
+                    prompt_params = params.clone()
+                    await self.use_custom_backend(backend, req, prompt_params)
+                streams.append(await self.submit(prompt, prompt_params, renames=renames))
         except BaseException:
             abort_all(streams)
             raise
@@ -45,9 +51,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(request_id, streams, n, prompts, bool(req.echo), include_usage, req.logprobs)
-            return SSEResponse(body, streams, headers=headers)
+            return SSEResponse(await self.finish_with_backend(backend, body, raw), streams, headers=headers)
         finals = await final_outputs(streams, raw)
-        return JSONResponse(self._response(request_id, finals, n, prompts, bool(req.echo)), headers=headers)
+        response = await self.finish_with_backend(backend, self._response(request_id, finals, n, prompts,
+                                                                          bool(req.echo)), raw)
+        return JSONResponse(response, headers=headers)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)

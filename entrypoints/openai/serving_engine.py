@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 
 from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
 from ...engine.request import Logprob, RequestOutput
+from ...processors.custom_backends import CustomBackend, prepare_request
 from ...sampling_params import GuidedDecodingParams, SamplingParams
 from .errors import OpenAIError, bad_request, from_value_error
 
@@ -63,6 +64,35 @@ class OpenAIServing:
             why = ("the server runs with --guided-decoding-backend off" if backend == "off"
                    else "guided decoding is not available in this build")
             raise bad_request(f"{field}: output constraints are not supported: {why}", param=field)
+
+    def custom_backend(self, req) -> CustomBackend | None:
+        """The custom backend this request runs under (its own choice, else the server default)."""
+        fd_config = self.engine.engine.fd_config
+        backends = fd_config.custom_guided_decoding_backends
+        name, field = req.requested_backend()
+        if name is None:
+            name = fd_config.guided_decoding_backend
+        elif name != "llguidance" and name not in backends:
+            known = ", ".join(["llguidance", *backends])
+            raise bad_request(f"{field}: unknown guided decoding backend {name!r}; available: {known}", param=field)
+        return backends.get(name)
+
+    async def use_custom_backend(self, backend: CustomBackend, req, params: SamplingParams) -> None:
+        """Run the backend's request hooks; its processor replaces any llguidance constraint."""
+        request = req.model_dump(by_alias=True, exclude_none=True)
+        try:
+            params.extra.update(await prepare_request(backend, request, self.tokenizer))
+        except Exception as e:  # the backend rejected the request or failed on it
+            raise bad_request(f"guided_decoding_backend: backend {backend.name!r} failed on this request: "
+                              f"{type(e).__name__}: {e}", param="guided_decoding_backend") from None
+        params.guided_decoding = None
+
+    @staticmethod
+    async def finish_with_backend(backend: CustomBackend | None, response, raw: Request):
+        """The backend's post-processing hook, when it has one, on the final response or the stream."""
+        if backend is None or backend.constrained_generator is None:
+            return response
+        return await backend.constrained_generator(response, raw)
 
     async def warm_token_table(self) -> None:
         """Build the id → bytes table (for logprobs) off the event loop on first use."""
