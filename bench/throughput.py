@@ -48,7 +48,7 @@ def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -79,6 +79,13 @@ class Request:
     pending_forced: deque = field(default_factory=deque)  # tokens processors declared certain
     _reported_tokens: int = 0
 
+    def recent_tokens(self, n: int) -> list[int]:
+        """The last `n` tokens of prompt + output, without copying either whole."""
+        if n <= 0:
+            return []
+        tail = self.output_ids[-n:]
+        return self.prompt_ids[max(0, len(self.prompt_ids) - (n - len(tail))):] + tail if len(tail) < n else tail
+
     @property
     def max_bad_word_len(self) -> int:
         return max((len(s) for s in self.bad_word_ids), default=1)

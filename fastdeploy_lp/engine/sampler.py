@@ -100,7 +100,7 @@ class Sampler:
                 if not p.ignore_eos:
                     banned.update(self.eos_token_ids)
             if r.bad_word_ids:
-                banned.update(banned_next_tokens(r.prompt_ids[-r.max_bad_word_len:] + r.output_ids, r.bad_word_ids))
+                banned.update(banned_next_tokens(r.recent_tokens(r.max_bad_word_len - 1), r.bad_word_ids))
             ban_rows += [i] * len(banned)
             ban_cols += sorted(banned)
         logits = add_at(logits, bias_rows, bias_cols, bias_vals)
