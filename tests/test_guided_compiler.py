@@ -288,3 +288,14 @@ def test_sentencepiece_fast_forward_tokens_spell_the_forced_text(sentencepiece_m
     spelled = b"".join(tok.token_bytes[t] for t in forced)
     assert spelled and m.compute_ff_bytes().startswith(spelled) and spelled.startswith(b"The")
     assert m.consume_tokens(forced)
+
+
+def test_custom_formats_are_dropped_and_unimplemented_standard_ones_refused(guide):
+    custom = GuidedDecodingParams(json={"type": "object", "properties": {
+        "format": {"type": "string", "format": "topic"}, "b": {"type": "string", "format": "byte"}},
+        "required": ["format"]})
+    assert _accepts(guide, custom, '{"format": "anything"}')
+    with pytest.raises(ValueError, match="^guided_json: .*uri-reference"):
+        guide.compiler.compile(GuidedDecodingParams(json={"type": "string", "format": "uri-reference"}))
+    dated = GuidedDecodingParams(json={"type": "string", "format": "date"})
+    assert _accepts(guide, dated, '"2024-02-29"') and not _accepts(guide, dated, '"yesterday"')

@@ -16,7 +16,9 @@ request reaches a slot:
 
 `json` may also be OpenAI's `response_format.json_schema` object, `{"name", "schema", "strict"}`;
 with `"strict": true` every object that does not say otherwise gets `additionalProperties: false`.
-A plain schema is used as written (JSON Schema semantics: extra keys allowed unless forbidden).
+A plain schema is used as written (JSON Schema semantics: extra keys allowed unless forbidden),
+except that `format` values JSON Schema does not define (`topic`, `byte`) are dropped: they are
+annotations no validator checks. Keywords llguidance does not implement are refused, never ignored.
 
 A compiled constraint is the matcher in its start state with its first mask computed (so limits
 that only bite at the first step are found here too); each request gets a `deep_copy`. Results,
@@ -39,7 +41,7 @@ import llguidance as llg
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from .json_schema import check_depth, strict_schema
+from .json_schema import check_depth, drop_custom_formats, strict_schema
 from .structural_tag import structural_tag_grammar
 
 logger = logging.getLogger(__name__)
@@ -144,7 +146,7 @@ def _schema(value, field: str) -> dict:
         if not isinstance(value, dict):
             raise GuidedDecodingError(field, "'schema' must be a JSON schema object")
     _bounded(json.dumps(value), field)
-    return strict_schema(value) if strict else value
+    return drop_custom_formats(strict_schema(value) if strict else value)
 
 
 def clean_error(message: str) -> str:

@@ -1,4 +1,5 @@
-"""JSON-schema helpers: OpenAI `strict` semantics and a bound on nesting, before llguidance sees it."""
+"""JSON-schema helpers applied before llguidance sees a schema: a bound on nesting, OpenAI `strict`
+semantics, and dropping `format` values that JSON Schema does not define."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains"
         "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _MANY = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+# The formats JSON Schema defines (drafts 7 to 2020-12). Any other value is a custom annotation that
+# no validator checks (`jsonschema` ignores it), so it is dropped rather than refused; standard
+# formats llguidance lacks (uri-reference, regex, ...) are still refused.
+STANDARD_FORMATS = frozenset(
+    "date-time date time duration email idn-email hostname idn-hostname ipv4 ipv6 uri uri-reference iri "
+    "iri-reference uuid uri-template json-pointer relative-json-pointer regex".split())
 
 
 def schema_depth(value: Any) -> int:
@@ -39,25 +47,45 @@ def strict_schema(schema: dict) -> dict:
     `allOf` branches are left as written (closing each branch would make their union unsatisfiable).
     """
     check_depth(schema, "json_schema")
-    return _strict(schema)
+    return _map_schemas(schema, _close_object)
 
 
-def _strict(node: Any) -> Any:
+def drop_custom_formats(schema: dict) -> dict:
+    """A copy of `schema` without `format` values outside `STANDARD_FORMATS` (e.g. `topic`, `byte`)."""
+    return _map_schemas(schema, _drop_custom_format)
+
+
+def _close_object(node: dict) -> dict:
+    types = node.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or (
+        types is None and "properties" in node)
+    if is_object and "additionalProperties" not in node and "$ref" not in node:
+        node["additionalProperties"] = False
+    return node
+
+
+def _drop_custom_format(node: dict) -> dict:
+    if isinstance(node.get("format"), str) and node["format"] not in STANDARD_FORMATS:
+        del node["format"]
+    return node
+
+
+def _map_schemas(node: Any, fn) -> Any:
+    """Copy a schema, applying `fn` to a copy of every subschema (strictness leaves `allOf` alone)."""
     if not isinstance(node, dict):
         return node
-    out = dict(node)
-    types = out.get("type")
-    is_object = types == "object" or (isinstance(types, list) and "object" in types) or (
-        types is None and "properties" in out)
-    if is_object and "additionalProperties" not in out and "$ref" not in out:
-        out["additionalProperties"] = False
+    out = fn(dict(node))
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
+            out[key] = _map_schemas(out[key], fn)
+        elif key == "items" and isinstance(out.get(key), list):  # draft-4 tuple form
+            out[key] = [_map_schemas(s, fn) for s in out[key]]
     for key in _MANY:
         if isinstance(out.get(key), list):
-            out[key] = [_strict(s) for s in out[key]]
+            out[key] = [_map_schemas(s, fn) for s in out[key]]
+    if isinstance(out.get("allOf"), list) and fn is not _close_object:
+        out["allOf"] = [_map_schemas(s, fn) for s in out["allOf"]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _strict(s) for k, s in out[key].items()}
+            out[key] = {k: _map_schemas(s, fn) for k, s in out[key].items()}
     return out

@@ -157,7 +157,7 @@ def _node(b: _LarkBuilder, node: Any, where: str) -> str:
 
 
 def _json(b: _LarkBuilder, schema: Any, where: str) -> str:
-    from .json_schema import check_depth
+    from .json_schema import check_depth, drop_custom_formats
 
     if isinstance(schema, str):
         try:
@@ -167,6 +167,7 @@ def _json(b: _LarkBuilder, schema: Any, where: str) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"{where}: must be a JSON schema object")
     check_depth(schema, where)
+    schema = drop_custom_formats(schema)
     if b.whitespace_pattern is not None:
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}),
                                            "whitespace_pattern": b.whitespace_pattern}}
