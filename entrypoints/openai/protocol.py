@@ -291,6 +291,9 @@ def _response_format_constraint(rf: ResponseFormat) -> dict[str, Any]:
             raise ValueError("response_format.json_schema: required when type is 'json_schema'")
         if rf.json_schema.schema_ is None:  # OpenAI allows it; it means "any JSON object"
             return {"json_object": True}
+        if rf.json_schema.strict and isinstance(rf.json_schema.schema_, dict):
+            # OpenAI's {"schema", "strict"} object: the guided-decoding compiler closes every object
+            return {"json": {"schema": rf.json_schema.schema_, "strict": True}}
         return {"json": rf.json_schema.schema_}
     if rf.type == "json":
         if rf.schema_ is None:
