@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -11,6 +12,7 @@ import pytest
 from conftest import fixture_dir
 
 from fastdeploy_lp import LLM, FDConfig, GuidedDecodingParams, LLMEngine, SamplingParams
+from fastdeploy_lp.config import default_model_path
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 
 CAPITAL_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[\\w]+$"},
@@ -154,6 +156,28 @@ def test_new_structural_tag_form_and_all_kinds_compile_and_fit(llm):
     assert re.fullmatch(r"(Paris|Nice) [1-9][0-9]?", outs[4].outputs.text)
     if outs[5].outputs.finish_reason == "stop":
         assert "\n" not in outs[5].outputs.text and "  " not in outs[5].outputs.text
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(default_model_path(), "config.json")),
+                    reason="the built-in model is not in fastdeploy_lp/default_model/ yet")
+def test_tensorrt_llm_examples_on_the_built_in_model():
+    llm = LLM(max_num_seqs=8)
+    examples = [GuidedDecodingParams(json=CAPITAL_SCHEMA), GuidedDecodingParams(regex="(Paris|London)"),
+                GuidedDecodingParams(grammar=CITY_EBNF), GuidedDecodingParams(structural_tag=WEATHER_DATE_TAG)]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = [_params(gd, seed, max_tokens=96) for gd in examples for seed in (0, 1)]
+    outs = llm.chat([messages] * len(params), params, use_tqdm=False)
+    for p, out in zip(params, outs):
+        gd, text = p.guided_decoding, out.outputs.text
+        finished = _assert_fits(llm, gd, out)
+        if gd.json and finished:
+            jsonschema.validate(json.loads(text), CAPITAL_SCHEMA)
+        elif gd.regex:
+            assert finished and re.fullmatch("(Paris|London)", text)
+        elif gd.grammar:
+            assert finished and re.fullmatch(CITY_RE, text)
+        elif gd.structural_tag:
+            _weather_date_calls_valid(text, finished)
 
 
 # -- batches ------------------------------------------------------------------------------------
