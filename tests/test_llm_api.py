@@ -39,3 +39,22 @@ def test_guided_request_is_refused_when_guided_decoding_is_off(llm):
         llm.generate("Hello", SamplingParams(guided_decoding=GuidedDecodingParams(regex="(Paris|London)")),
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "padded"
+    shutil.copytree(fixture_dir("qwen2"), model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    keep = {t: i for t, i in tok["model"]["vocab"].items() if i < 600}
+    tok["model"]["vocab"] = keep
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"]
+                              if "".join(m if isinstance(m, list) else m.split(" ")) in keep]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    llm = LLM(str(model), max_num_seqs=4, device="cpu")
+    assert llm.tokenizer.vocab_size == 600 < llm.fd_config.model_config.vocab_size
+    outs = llm.generate(["Hello"] * 4, SamplingParams(temperature=5.0, seed=3, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(t < 600 for o in outs for t in o.outputs.token_ids)

@@ -43,7 +43,9 @@ class OpenAIServingChat(OpenAIServing):
             await self.use_custom_backend(backend, req, params)
         if params.logprobs is not None:
             await self.warm_token_table()
-        stream = await self.submit(prompt_ids, params, renames={"prompt": "messages", "max_tokens": max_field})
+        renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field())
+        renames.update({"prompt": "messages", "max_tokens": max_field})
+        stream = await self.submit(prompt_ids, params, renames=renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prefix = _echo_prefix(req)
         parse = parse_tool_calls if tools_active else None

@@ -37,7 +37,9 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
-                renames = {"prompt": f"prompt[{k}]"} if len(prompts) > 1 else None
+                renames = self.guided_renames(req.constraint_field())
+                if len(prompts) > 1:
+                    renames["prompt"] = f"prompt[{k}]"
                 prompt_params = params
                 if backend is not None:  # each prompt gets its own processor from the backend
                     prompt_params = params.clone()

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
 from ...engine.request import Logprob, RequestOutput
 from ...processors.custom_backends import CustomBackend, prepare_request
+from ...processors.guided.compiler import FIELDS as GUIDED_FIELD_NAMES
 from ...sampling_params import GuidedDecodingParams, SamplingParams
 from .errors import OpenAIError, bad_request, from_value_error
 
@@ -93,6 +94,11 @@ class OpenAIServing:
         if backend is None or backend.constrained_generator is None:
             return response
         return await backend.constrained_generator(response, raw)
+
+    @staticmethod
+    def guided_renames(field: str) -> dict[str, str]:
+        """Name grammar errors after the field the request used (`response_format`, `tools`)."""
+        return {name: field for name in GUIDED_FIELD_NAMES.values() if name != field}
 
     async def warm_token_table(self) -> None:
         """Build the id → bytes table (for logprobs) off the event loop on first use."""

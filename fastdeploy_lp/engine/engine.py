@@ -201,6 +201,9 @@ class LLMEngine:
             feeds.append(SlotFeed(r.slot, tokens, r.cached_len))
             r.cached_len += len(tokens)
         logits = self.runner.forward(feeds)
+        if self.tokenizer.vocab_size < logits.shape[-1]:
+            # Checkpoints pad the embedding matrix past the tokenizer: those ids are no tokens.
+            logits[:, self.tokenizer.vocab_size:] = float("-inf")
         logits, failures = self.pipeline.apply(logits, self.scheduler.share_inputs,
                                                all_greedy=all(r.params.greedy for r in running))
         result = self.sampler.sample(logits, running)
