@@ -13,7 +13,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def prompts():
     inputs, _ = load_reference("qwen2")
-    return inputs + [inputs[0][:5], inputs[1][2:], inputs[2] + inputs[3][:3]]
+    # includes prompts of equal length, which are prefilled together in one pass
+    return inputs + [inputs[0][:5], inputs[1][:5], inputs[2][:5], inputs[1][2:], inputs[2] + inputs[3][:3]]
 
 
 def _engine(max_num_seqs):
@@ -41,7 +42,7 @@ def test_request_gives_same_tokens_alone_in_full_batch_and_joining_midway(prompt
 
 
 def test_slots_are_reused_after_finishes(prompts):
-    lengths = [3, 9, 5, 12, 4, 7, 6]
+    lengths = [3, 9, 5, 12, 4, 7, 6, 8, 2]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     solo = [_run(_engine(1), requests=[(p, sp)])[0] for p, sp in zip(prompts, params)]
     engine = _engine(2)

@@ -1,8 +1,8 @@
 """The model runner: the decoder, its per-slot KV cache, and one forward pass per engine step.
 
 A step feeds every active slot some new tokens: a whole prompt for a slot that just joined, one
-sampled token for a running slot (or several forced tokens). Single-token slots run together as
-one batched decode; the others run one pass each. The logits of each slot's last new token come
+sampled token for a running slot (or several forced tokens). Slots adding the same number of
+tokens run together in one pass (all decodes; prompts of equal length). The logits of each slot's last new token come
 back as one `[active_slots, vocab]` tensor in increasing slot order (the row convention).
 """
 
@@ -39,15 +39,14 @@ class ModelRunner:
 
         `feeds` must be in increasing slot order.
         """
-        single = [f for f in feeds if len(f.tokens) == 1]
+        by_length: dict[int, list[SlotFeed]] = {}
+        for f in feeds:  # feeds adding the same number of tokens share one pass
+            by_length.setdefault(len(f.tokens), []).append(f)
         rows: dict[int, paddle.Tensor] = {}
-        if single:
-            logits = self._run(single)
-            for i, f in enumerate(single):
+        for group in by_length.values():
+            logits = self._run(group)
+            for i, f in enumerate(group):
                 rows[f.slot] = logits[i]
-        for f in feeds:
-            if len(f.tokens) > 1:
-                rows[f.slot] = self._run([f])[0]
         return paddle.stack([rows[f.slot] for f in feeds])
 
     def _run(self, feeds: list[SlotFeed]) -> paddle.Tensor:
