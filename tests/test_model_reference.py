@@ -13,7 +13,7 @@ from conftest import FIXTURE_MODELS, fixture_dir, load_reference
 from safetensors.numpy import load_file, save_file
 
 from fastdeploy_lp import LLM, FDConfig, ModelConfig, SamplingParams
-from fastdeploy_lp.model import AttentionBatch, load_model
+from fastdeploy_lp.model import AttentionBatch, SequenceGroup, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -47,7 +47,7 @@ def test_cached_decode_logits_match_transformers(name):
         positions = list(range(start, start + len(tokens)))
         batch = AttentionBatch(paddle.to_tensor(positions, dtype="int64"),
                                paddle.to_tensor([slot * max_len + p for p in positions], dtype="int64"),
-                               [slot], [len(tokens)], [start + len(tokens)], max_len)
+                               [SequenceGroup(0, len(tokens), [slot], [start + len(tokens)], max_len)])
         with paddle.no_grad():
             return model.logits(model(paddle.to_tensor(tokens, dtype="int64"), batch, caches)).numpy()
 

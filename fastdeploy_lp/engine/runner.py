@@ -1,8 +1,7 @@
 """The model runner: the decoder, its per-slot KV cache, and one forward pass per engine step.
 
 A step feeds every active slot some new tokens: a whole prompt for a slot that just joined, one
-sampled token for a running slot (or several forced tokens). Slots adding the same number of
-tokens run together in one pass (all decodes; prompts of equal length). The logits of each slot's last new token come
+sampled token for a running slot, or several forced tokens. All of them run in one forward pass. The logits of each slot's last new token come
 back as one `[active_slots, vocab]` tensor in increasing slot order (the row convention).
 """
 
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import paddle
 
 from ..config import FDConfig
-from ..model import AttentionBatch, load_model
+from ..model import AttentionBatch, SequenceGroup, load_model
 
 
 @dataclass
@@ -37,36 +36,32 @@ class ModelRunner:
     def forward(self, feeds: list[SlotFeed]) -> paddle.Tensor:
         """Logits `[len(feeds), vocab]` (float32) for the last token of each feed, in the feeds' order.
 
-        `feeds` must be in increasing slot order.
+        All feeds run in one pass: tokens are laid out group by group (feeds adding the same number
+        of tokens), and the rows come back in the order the feeds were given.
         """
-        by_length: dict[int, list[SlotFeed]] = {}
-        for f in feeds:  # feeds adding the same number of tokens share one pass
-            by_length.setdefault(len(f.tokens), []).append(f)
-        rows: dict[int, paddle.Tensor] = {}
-        for group in by_length.values():
-            logits = self._run(group)
-            for i, f in enumerate(group):
-                rows[f.slot] = logits[i]
-        return paddle.stack([rows[f.slot] for f in feeds])
-
-    def _run(self, feeds: list[SlotFeed]) -> paddle.Tensor:
+        by_length: dict[int, list[int]] = {}
+        for i, f in enumerate(feeds):
+            by_length.setdefault(len(f.tokens), []).append(i)
+        order = [i for n in sorted(by_length) for i in by_length[n]]
+        ids, positions, cache_rows, groups, last = [], [], [], [], []
+        for n in sorted(by_length):
+            group = [feeds[i] for i in by_length[n]]
+            groups.append(SequenceGroup(start=len(ids), new=n, slots=[f.slot for f in group],
+                                        lens=[f.start + n for f in group], max_len=self.max_len))
+            for f in group:
+                if f.start + n > self.max_len:
+                    raise ValueError(f"slot {f.slot} would exceed max_model_len={self.max_len}")
+                ids += f.tokens
+                positions += range(f.start, f.start + n)
+                base = f.slot * self.max_len
+                cache_rows += range(base + f.start, base + f.start + n)
+                last.append(len(ids) - 1)
         self.num_forward_passes += 1
-        ids, positions, cache_rows = [], [], []
-        for f in feeds:
-            n = len(f.tokens)
-            if f.start + n > self.max_len:
-                raise ValueError(f"slot {f.slot} would exceed max_model_len={self.max_len}")
-            ids += f.tokens
-            positions += range(f.start, f.start + n)
-            cache_rows += range(f.slot * self.max_len + f.start, f.slot * self.max_len + f.start + n)
-        batch = AttentionBatch(
-            positions=paddle.to_tensor(positions, dtype="int64"),
-            cache_rows=paddle.to_tensor(cache_rows, dtype="int64"),
-            seq_slots=[f.slot for f in feeds], seq_new=[len(f.tokens) for f in feeds],
-            seq_lens=[f.start + len(f.tokens) for f in feeds], max_len=self.max_len)
+        batch = AttentionBatch(positions=paddle.to_tensor(positions, dtype="int64"),
+                               cache_rows=paddle.to_tensor(cache_rows, dtype="int64"), groups=groups)
         hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)
-        if len(feeds[0].tokens) > 1:  # keep only the last position of each sequence
-            last = paddle.to_tensor([i * len(feeds[0].tokens) + len(feeds[0].tokens) - 1
-                                     for i in range(len(feeds))], dtype="int64")
-            hidden = paddle.index_select(hidden, last)
-        return self.model.logits(hidden)
+        # One row per feed, put back into the given order.
+        back = [0] * len(feeds)
+        for row, i in enumerate(order):
+            back[i] = last[row]
+        return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(back, dtype="int64")))

@@ -76,56 +76,60 @@ def apply_rotary(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> pa
 
 
 @dataclass
+class SequenceGroup:
+    """Sequences of one pass that each add `new` tokens; their tokens are `[start, end)` of the pass.
+
+    `slots[s]` is sequence s's slot and `lens[s]` its total length after this pass.
+    """
+
+    start: int
+    new: int
+    slots: list[int]
+    lens: list[int]
+    max_len: int
+
+    def __post_init__(self):
+        # Shared by every layer, so built once per forward pass.
+        self.end = self.start + self.new * len(self.slots)
+        self.span = max(self.lens)
+        # Read the cache through a view of the slots' range; gather only when slots have gaps.
+        lo, hi = min(self.slots), max(self.slots) + 1
+        self.slot_range = (lo, hi)
+        self.slot_index = (None if hi - lo == len(self.slots)
+                           else paddle.to_tensor([s - lo for s in self.slots], dtype="int64"))
+        self.mask = self._mask()
+
+    def _mask(self) -> paddle.Tensor:
+        """Additive mask [S, 1, new, 1, L]: key j is visible to new token i of sequence s when
+        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
+        lens = paddle.to_tensor(self.lens, dtype="int64").reshape([-1, 1, 1])
+        i = paddle.arange(self.new, dtype="int64").reshape([1, -1, 1])
+        j = paddle.arange(self.span, dtype="int64").reshape([1, 1, -1])
+        visible = j <= lens - self.new + i
+        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
+        return mask.unsqueeze(1).unsqueeze(3)
+
+
+@dataclass
 class AttentionBatch:
     """Where the tokens of one forward pass sit in the KV cache.
 
     Tokens are flattened: `positions[i]` is token i's absolute position and `cache_rows[i]` the
-    row of the flattened `[slots * max_len]` cache it writes. Sequences are contiguous runs of
-    tokens, all of the same count in one pass: `seq_slots[s]` is sequence s's slot, `seq_new[s]`
-    its token count in this pass and `seq_lens[s]` its total length after it. `None` cache means a plain causal pass (training).
+    row of the flattened `[slots * max_len]` cache it writes. The projections and MLPs run over all
+    tokens at once; attention runs per `SequenceGroup` (sequences adding equally many tokens), so
+    prompts, decodes and forced tokens of any mix share one pass. No groups means a plain causal
+    pass over one sequence (training and reference tests).
     """
 
     positions: paddle.Tensor
     cache_rows: paddle.Tensor | None = None
-    seq_slots: list[int] | None = None
-    seq_new: list[int] | None = None
-    seq_lens: list[int] | None = None
-    max_len: int = 0
-    span: int = field(default=0, init=False)
-    slot_range: tuple[int, int] = field(default=(0, 0), init=False)
-    slot_index: paddle.Tensor | None = field(default=None, init=False, repr=False)  # within slot_range
-    mask: paddle.Tensor | None = field(default=None, init=False, repr=False)
+    groups: list[SequenceGroup] | None = None
     _rotary: tuple | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        # Shared by every layer, so built once per forward pass.
-        if self.seq_slots is None:
-            return
-        if len(set(self.seq_new)) != 1:
-            raise ValueError("sequences of one cached pass must add the same number of tokens")
-        self.span = max(self.seq_lens)
-        # Read the cache through a view of the slots' range; gather only when slots have gaps.
-        lo, hi = min(self.seq_slots), max(self.seq_slots) + 1
-        self.slot_range = (lo, hi)
-        if hi - lo != len(self.seq_slots):
-            self.slot_index = paddle.to_tensor([s - lo for s in self.seq_slots], dtype="int64")
-        self.mask = self._mask()
 
     def rotary_tables(self, rotary: "RotaryEmbedding", dtype):
         if self._rotary is None:
             self._rotary = rotary.tables(self.positions, dtype)
         return self._rotary
-
-    def _mask(self) -> paddle.Tensor:
-        """Additive mask [S, 1, new, 1, L]: key j is visible to new token i of sequence s when
-        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
-        new = self.seq_new[0]
-        lens = paddle.to_tensor(self.seq_lens, dtype="int64").reshape([-1, 1, 1])
-        i = paddle.arange(new, dtype="int64").reshape([1, -1, 1])
-        j = paddle.arange(self.span, dtype="int64").reshape([1, 1, -1])
-        visible = j <= lens - new + i
-        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
-        return mask.unsqueeze(1).unsqueeze(3)
 
 
 class Attention(nn.Layer):
@@ -165,13 +169,13 @@ class Attention(nn.Layer):
             k_cache, v_cache = kv_cache
             k_cache.scatter_(batch.cache_rows, k, overwrite=True)
             v_cache.scatter_(batch.cache_rows, v, overwrite=True)
-            out = self._cached(q, batch, k_cache, v_cache)
+            out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
         return paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
 
-    def _slot_view(self, cache, batch: AttentionBatch):
-        lo, hi = batch.slot_range
-        view = cache.reshape([-1, batch.max_len, self.num_kv_heads, self.head_dim])[lo:hi, :batch.span]
-        return view if batch.slot_index is None else paddle.index_select(view, batch.slot_index)
+    def _slot_view(self, cache, group: SequenceGroup):
+        lo, hi = group.slot_range
+        view = cache.reshape([-1, group.max_len, self.num_kv_heads, self.head_dim])[lo:hi, :group.span]
+        return view if group.slot_index is None else paddle.index_select(view, group.slot_index)
 
     def _causal(self, q, k, v):
         """One sequence, all positions (training and tests): [T, H, D] -> [T, H, D]."""
@@ -183,21 +187,21 @@ class Attention(nn.Layer):
         group = self.num_heads // self.num_kv_heads
         return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
 
-    def _cached(self, q, batch: AttentionBatch, k_cache, v_cache):
+    def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
         """Attention of new tokens over their sequences' cached keys (prefill or batched decode).
 
         Heads sharing a KV head are folded into the query-length axis so every product is a plain
         3-D batched matmul: Paddle's CPU kernels are far slower on broadcast batch dimensions.
         """
-        seqs, new, span = len(batch.seq_slots), batch.seq_new[0], batch.span
-        hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        keys, values = (self._slot_view(c, batch) for c in (k_cache, v_cache))              # [S, L, Hkv, D]
+        seqs, new, span = len(group.slots), group.new, group.span
+        hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        keys, values = (self._slot_view(c, group) for c in (k_cache, v_cache))              # [S, L, Hkv, D]
         keys = keys.transpose([0, 2, 3, 1]).reshape([seqs * hkv, dim, span])
         values = values.transpose([0, 2, 1, 3]).reshape([seqs * hkv, span, dim])
-        q = q.reshape([seqs, new, hkv, group, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs * hkv, new * group, dim])
-        scores = paddle.matmul(q, keys).astype("float32").reshape([seqs, hkv, new, group, span]) * self.scale
-        probs = F.softmax(scores + batch.mask, axis=-1).astype(q.dtype).reshape([seqs * hkv, new * group, span])
-        out = paddle.matmul(probs, values).reshape([seqs, hkv, new, group, dim])
+        q = q.reshape([seqs, new, hkv, per_kv, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs * hkv, new * per_kv, dim])
+        scores = paddle.matmul(q, keys).astype("float32").reshape([seqs, hkv, new, per_kv, span]) * self.scale
+        probs = F.softmax(scores + group.mask, axis=-1).astype(q.dtype).reshape([seqs * hkv, new * per_kv, span])
+        out = paddle.matmul(probs, values).reshape([seqs, hkv, new, per_kv, dim])
         return out.transpose([0, 2, 1, 3, 4]).reshape([-1, self.num_heads, dim])
 
 
