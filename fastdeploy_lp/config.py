@@ -61,6 +61,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     pad_token_id: int | None
+    sliding_window: int | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the dtype the engine computes in (set by FDConfig)
 
@@ -125,6 +126,8 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             checkpoint_dtype=normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and (
+                cfg.get("use_sliding_window", True)) else None,
             bos_token_id=cfg.get("bos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
@@ -180,6 +183,12 @@ class FDConfig:
             raise ValueError(f"max_num_seqs: must be a positive integer, got {max_num_seqs!r}")
         limit = model_config.max_position_embeddings
         max_model_len = max_model_len or min(limit, 4096)
+        window = model_config.sliding_window
+        if window is not None and max_model_len > window:
+            # Every layer attends to the whole context here; capping the length keeps that exact.
+            logger.warning("the checkpoint uses sliding-window attention (%d); max_model_len %d is capped to it",
+                           window, max_model_len)
+            max_model_len = window
         if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len: must be an integer in 2..{limit} (the model's "
                              f"max_position_embeddings), got {max_model_len!r}")

@@ -130,3 +130,17 @@ def test_both_config_styles_and_generation_config_are_read():
     assert ModelConfig.from_pretrained(fixture_dir("qwen2")).checkpoint_dtype == "bfloat16"
     assert ModelConfig.from_pretrained(fixture_dir("qwen3")).qk_norm
     assert new_style.eos_token_ids == [2]
+
+
+def test_mistral_checkpoint_runs_as_llama_with_its_window_capping_the_context(tmp_path):
+    out = _copy_fixture("llama", tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (out / "config.json").write_text(json.dumps(cfg))
+    fd_config = FDConfig.create(str(out), device="cpu")
+    assert fd_config.model_config.architecture == "MistralForCausalLM"
+    assert fd_config.max_model_len == 64
+    inputs, ref = load_reference("llama")
+    with paddle.no_grad():
+        logits = load_model(fd_config.model_config).full_logits(inputs[2]).numpy()
+    np.testing.assert_allclose(logits, ref["logits_2"], atol=1e-4, rtol=0)
