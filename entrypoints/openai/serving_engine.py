@@ -61,10 +61,8 @@ class OpenAIServing:
 
     def check_guided(self, guided: GuidedDecodingParams | None, field: str) -> None:
         if guided is not None and not self.guided_available:
-            backend = self.engine.engine.fd_config.guided_decoding_backend
-            why = ("the server runs with --guided-decoding-backend off" if backend == "off"
-                   else "guided decoding is not available in this build")
-            raise bad_request(f"{field}: output constraints are not supported: {why}", param=field)
+            raise bad_request(f"{field}: output constraints are not supported: the server runs with "
+                              "--guided-decoding-backend off", param=field)
 
     def custom_backend(self, req) -> CustomBackend | None:
         """The custom backend this request runs under (its own choice, else the server default)."""
