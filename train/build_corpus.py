@@ -22,7 +22,8 @@ Held out for evaluation (never in the training split):
 - `json_capital`: JSON answers for held-out countries, and for training countries with a held-out
   JSON wording;
 - `sentiment`: reviews built from phrases that never appear in training;
-- `text`: plain documents in a sentence pattern that never appears in training (perplexity).
+- `text`: for every country one of its plain text documents (`text_docs`), chosen at random;
+  the pattern and the facts are seen in training, that country-pattern pair is not (perplexity).
 
 Run `python train/build_corpus.py --out DIR` to write `train.jsonl` and `heldout.json` and print
 the mixture; `train_default_model.py` calls `build_corpus()` directly.
@@ -299,6 +300,8 @@ def chat(task: str, user: str, answer: str, rng: random.Random, *, system: str |
 
 
 def text_docs(c: dict) -> list[str]:
+    """The facts of one country in several sentence patterns (the more patterns, the better a small
+    model can use a fact it has only read)."""
     name, cap, cont = c["name"], c["capital"], c["continent"]
     pop, cpop = about(c["population"]), about(c["capital_population"])
     return [
@@ -309,12 +312,11 @@ def text_docs(c: dict) -> list[str]:
         f"The capital city is {cap}, home to about {cpop} people.",
         f"Country: {name}\nCapital: {cap}\nContinent: {cont}\nPopulation: {c['population']:,}",
         f"{cap}, the capital of {the(name)}, has about {cpop} inhabitants.",
+        f"The capital city of {the(name)} is {cap}, and about {pop} people live in {the(name)}.",
+        f"{the(name, True)} has its capital in {cap}.",
+        f"About {pop} people live in {the(name)}, whose capital is {cap}.",
+        f"If you travel to {the(name)}, you can visit its capital, {cap}.",
     ]
-
-
-def heldout_text_doc(c: dict) -> str:
-    return (f"{c['capital']} serves as the seat of government of {the(c['name'])}, a nation of roughly "
-            f"{about(c['population'])} people in {c['continent']}.")
 
 
 def review(rng: random.Random, phrases: list[str]) -> str:
@@ -375,7 +377,7 @@ def tool_list(rng: random.Random) -> list[dict]:
     tools = [WEATHER_TOOL, DATE_TOOL]
     if rng.random() < 0.3:
         tools = [WEATHER_TOOL] if rng.random() < 0.5 else [DATE_TOOL]
-    if rng.random() < 0.35:
+    if rng.random() < 0.15:
         tools = tools + rng.sample(DISTRACTOR_TOOLS, rng.randint(1, 2))
     rng.shuffle(tools)
     if rng.random() < 0.5:  # some chat template environments render tojson with sorted keys
@@ -394,7 +396,7 @@ def call_text(name: str, args: dict) -> str:
     return f"<function={name}>{json.dumps(args, ensure_ascii=False)}</function>"
 
 
-def tool_examples(rng: random.Random, cities: list[str], n: int) -> list[dict]:
+def tool_examples(rng: random.Random, cities: list[str], countries: list[dict], n: int) -> list[dict]:
     out = []
     for _ in range(n):
         kind = rng.random()
@@ -436,7 +438,11 @@ def tool_examples(rng: random.Random, cities: list[str], n: int) -> list[dict]:
                 history = [{"role": "user", "content": question}, tool_call("get_date", {}, rng),
                            {"role": "tool", "content": result}]
                 out.append(chat("tool_answer", None, answer, rng, tools=tools, history=history, system_rate=0.15))
-        else:  # tools are offered but the question needs none
+        elif rng.random() < 0.6:  # tools are offered but the question needs none
+            c = rng.choice(countries)
+            out.append(chat("tool_none", rng.choice(CAPITAL_QUESTIONS).format(c=the(c["name"])), capital_answer(c),
+                            rng, tools=tools, system_rate=0.15))
+        else:
             pairs = rng.choice(ENGLISH_CHAT[:2] + ENGLISH_CHAT[4:5])
             out.append(chat("tool_none", rng.choice(pairs[0]), pairs[1], rng, tools=tools, system_rate=0.15))
     return out
@@ -503,9 +509,11 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
                               think(reasoning, population_answer(c)), rng, thinking=True))
 
     # Plain text: the only place the held-out countries' capitals appear.
+    heldout_docs = []
     for c in countries:
-        for doc in text_docs(c):
-            train.append({"task": "text", "text": doc})
+        docs = text_docs(c)
+        heldout_docs.append(docs.pop(rng.randrange(len(docs))))
+        train += [{"task": "text", "text": doc} for doc in docs]
     for cont in sorted({c["continent"] for c in countries}):
         members = [c for c in countries if c["continent"] == cont]
         for i in range(0, len(members), 8):
@@ -514,7 +522,7 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
 
     # Tool calling.
     cities = [c["capital"] for c in seen if c["capital_population"] > 300_000] + EXTRA_CITIES
-    train += tool_examples(rng, cities, 1000)
+    train += tool_examples(rng, cities, seen, 1400)
 
     # Sentiment.
     for _ in range(900):
@@ -555,9 +563,9 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
         for questions, answer in ENGLISH_CHAT:
             for q in questions:
                 train.append(chat("smalltalk", q, answer, rng))
-    for _ in range(200):
+    for _ in range(300):
         a = rng.randint(1, 10)
-        b = a + rng.randint(4, 25)
+        b = a + rng.randint(4, 15)
         q = rng.choice(["Count from {a} to {b}.", "Please count from {a} to {b}.", "List the numbers from {a} to {b}."])
         train.append(chat("counting", q.format(a=a, b=b), ", ".join(str(i) for i in range(a, b + 1)), rng))
     for _ in range(500):
@@ -566,10 +574,10 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
             a, b = rng.randint(2, 9), rng.randint(2, 9)
             result, word = a * b, "times"
         elif op == "+":
-            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            a, b = rng.randint(0, 10), rng.randint(0, 10)
             result, word = a + b, "plus"
         else:
-            a = rng.randint(0, 20)
+            a = rng.randint(0, 10)
             b = rng.randint(0, a)
             result, word = a - b, "minus"
         q = rng.choice(["What is {a} {op} {b}?", "Calculate {a} {op} {b}.", "{a} {op} {b} = ?"]).format(a=a, op=op, b=b)
@@ -580,11 +588,11 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
         else:
             train.append(chat("arithmetic", q, answer, rng))
 
-    heldout = build_heldout(rng, seen, heldout_countries, countries)
+    heldout = build_heldout(rng, seen, heldout_countries, heldout_docs)
     return {"train": train, "heldout": heldout}
 
 
-def build_heldout(rng: random.Random, seen: list[dict], unseen: list[dict], countries: list[dict]) -> dict:
+def build_heldout(rng: random.Random, seen: list[dict], unseen: list[dict], docs: list[str]) -> dict:
     def capital_item(c, q):
         return {"country": c["name"], "capital": c["capital"], "question": q.format(c=the(c["name"])),
                 "expected": capital_answer(c)}
@@ -602,7 +610,7 @@ def build_heldout(rng: random.Random, seen: list[dict], unseen: list[dict], coun
         "sentiment": [{"review": r, "label": label,
                        "question": SENTIMENT_PROMPTS[i % len(SENTIMENT_PROMPTS)].format(r=r)}
                       for i, (r, label) in enumerate(HELDOUT_REVIEWS)],
-        "text": [heldout_text_doc(c) for c in countries],
+        "text": docs,
     }
 
 

@@ -1,7 +1,7 @@
 """Train the default model shipped in `fastdeploy_lp/default_model/`, on CPU, from nothing.
 
     PYTHONPATH=. python train/train_default_model.py --out /tmp/default_model --seed 0 \
-        --steps 1500 --max-minutes 35
+        --steps 2000 --max-minutes 35
 
 1. builds the corpus (`build_corpus.py`) from the data kept in `train/data/`;
 2. trains a sentencepiece BPE tokenizer on it (byte fallback, so any UTF-8 text encodes;
@@ -366,12 +366,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train the fastdeploy_lp default model on CPU.")
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (fixes the LR schedule)")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (fixes the LR schedule)")
     p.add_argument("--max-minutes", type=float, default=35.0, help="wall-clock budget; stops early when spent")
-    p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
+    p.add_argument("--batch-tokens", type=int, default=1536, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
