@@ -10,7 +10,8 @@ learn, optional `tools`, `enable_thinking`) or a plain text document (`text`). T
 - simple `SELECT ... FROM ... WHERE ...` queries;
 - short Chinese exchanges;
 - `<think>...</think>` reasoning when thinking is enabled;
-- greetings, counting and small arithmetic.
+- copying (repeat a phrase; weather calls for made-up city names), greetings, counting and small
+  arithmetic.
 
 Held out for evaluation (never in the training split):
 
@@ -22,6 +23,7 @@ Held out for evaluation (never in the training split):
 - `json_capital`: JSON answers for held-out countries, and for training countries with a held-out
   JSON wording;
 - `sentiment`: reviews built from phrases that never appear in training;
+- weather calls for `HELDOUT_CITIES`, which appear nowhere in the corpus (in the evaluation script);
 - `text`: for every country one of its plain text documents (`text_docs`), chosen at random;
   the pattern and the facts are seen in training, that country-pattern pair is not (perplexity).
 
@@ -133,6 +135,12 @@ EXTRA_CITIES = [
     "Munich", "Osaka", "Chicago", "Dubai", "Hong Kong", "Rio de Janeiro", "San Francisco", "Milan",
     "Vancouver", "Melbourne", "Lyon", "Hamburg", "Seattle", "Boston", "Shenzhen", "Kyoto",
 ]
+# Cities that appear nowhere in the corpus: the evaluation asks for their weather to test copying a
+# name the model has never seen.
+HELDOUT_CITIES = ["Lagos", "Bangalore", "Marseille", "Naples", "Porto", "Busan", "Krakow", "Seville", "Glasgow",
+                  "Auckland"]
+SYLLABLES = ["ka", "lo", "ri", "ven", "mar", "to", "sa", "bel", "nor", "ti", "dra", "mun", "pe", "zan", "qui", "ol",
+             "ber", "gia", "hu", "lex", "fa", "dun", "esk", "ira", "wol", "py", "cen", "ost"]
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "partly cloudy", "clear"]
 
 POSITIVE_PHRASES = [
@@ -373,6 +381,16 @@ def sql_example(rng: random.Random, countries: list[dict]) -> tuple[str, str, st
             f"I need name and salary from the employees table where salary is greater than {n}.")
 
 
+def invented_name(rng: random.Random) -> str:
+    """A made-up place name ("Marzanto", "Port Belri"): tool arguments must be copied, not recalled."""
+    while True:
+        word = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if rng.random() < 0.15:
+            word = rng.choice(["Port", "San", "New", "Lake"]) + " " + word
+        if word not in HELDOUT_CITIES:
+            return word
+
+
 def tool_list(rng: random.Random) -> list[dict]:
     tools = [WEATHER_TOOL, DATE_TOOL]
     if rng.random() < 0.3:
@@ -404,7 +422,7 @@ def tool_examples(rng: random.Random, cities: list[str], countries: list[dict], 
         names = {t["function"]["name"] for t in tools}
         thinking = rng.random() < 0.12
         if "get_weather" in names and (kind < 0.55 or "get_date" not in names):
-            city = rng.choice(cities)
+            city = invented_name(rng) if rng.random() < 0.35 else rng.choice(cities)
             args = {"city": city}
             question = rng.choice(WEATHER_QUESTIONS).format(city=city)
             if rng.random() < 0.2:
@@ -557,6 +575,14 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
         for country, cap in CHINESE_CAPITALS:
             for q in (f"{country}的首都是哪里？", f"{country}的首都是什么？", f"{country}的首都是哪个城市"):
                 train.append(chat("chinese", q, f"{country}的首都是{cap}。", rng, system_rate=0.1))
+
+    # Copying: repeat a phrase of real and made-up words.
+    words = [c["name"] for c in seen] + [c["capital"] for c in seen] + EXTRA_CITIES
+    for _ in range(400):
+        phrase = " ".join(invented_name(rng) if rng.random() < 0.5 else rng.choice(words)
+                          for _ in range(rng.randint(1, 4)))
+        q = rng.choice(["Repeat after me: {p}", "Say exactly this: {p}", "Repeat: {p}"]).format(p=phrase)
+        train.append(chat("repeat", q, phrase, rng))
 
     # Greetings, counting and small arithmetic.
     for _ in range(4):
