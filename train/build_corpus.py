@@ -10,8 +10,7 @@ learn, optional `tools`, `enable_thinking`) or a plain text document (`text`). T
 - simple `SELECT ... FROM ... WHERE ...` queries;
 - short Chinese exchanges;
 - `<think>...</think>` reasoning when thinking is enabled;
-- copying (repeat a phrase; weather calls for made-up city names), greetings, counting and small
-  arithmetic.
+- greetings, counting and small arithmetic.
 
 Held out for evaluation (never in the training split):
 
@@ -139,8 +138,6 @@ EXTRA_CITIES = [
 # name the model has never seen.
 HELDOUT_CITIES = ["Lagos", "Bangalore", "Marseille", "Naples", "Porto", "Busan", "Krakow", "Seville", "Glasgow",
                   "Auckland"]
-SYLLABLES = ["ka", "lo", "ri", "ven", "mar", "to", "sa", "bel", "nor", "ti", "dra", "mun", "pe", "zan", "qui", "ol",
-             "ber", "gia", "hu", "lex", "fa", "dun", "esk", "ira", "wol", "py", "cen", "ost"]
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "partly cloudy", "clear"]
 
 POSITIVE_PHRASES = [
@@ -381,16 +378,6 @@ def sql_example(rng: random.Random, countries: list[dict]) -> tuple[str, str, st
             f"I need name and salary from the employees table where salary is greater than {n}.")
 
 
-def invented_name(rng: random.Random) -> str:
-    """A made-up place name ("Marzanto", "Port Belri"): tool arguments must be copied, not recalled."""
-    while True:
-        word = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-        if rng.random() < 0.15:
-            word = rng.choice(["Port", "San", "New", "Lake"]) + " " + word
-        if word not in HELDOUT_CITIES:
-            return word
-
-
 def tool_list(rng: random.Random) -> list[dict]:
     tools = [WEATHER_TOOL, DATE_TOOL]
     if rng.random() < 0.3:
@@ -422,7 +409,7 @@ def tool_examples(rng: random.Random, cities: list[str], countries: list[dict], 
         names = {t["function"]["name"] for t in tools}
         thinking = rng.random() < 0.12
         if "get_weather" in names and (kind < 0.55 or "get_date" not in names):
-            city = invented_name(rng) if rng.random() < 0.35 else rng.choice(cities)
+            city = rng.choice(cities)
             args = {"city": city}
             question = rng.choice(WEATHER_QUESTIONS).format(city=city)
             if rng.random() < 0.2:
@@ -575,14 +562,6 @@ def build_corpus(seed: int = 0, data_dir: str = DATA_DIR) -> dict:
         for country, cap in CHINESE_CAPITALS:
             for q in (f"{country}的首都是哪里？", f"{country}的首都是什么？", f"{country}的首都是哪个城市"):
                 train.append(chat("chinese", q, f"{country}的首都是{cap}。", rng, system_rate=0.1))
-
-    # Copying: repeat a phrase of real and made-up words.
-    words = [c["name"] for c in seen] + [c["capital"] for c in seen] + EXTRA_CITIES
-    for _ in range(400):
-        phrase = " ".join(invented_name(rng) if rng.random() < 0.5 else rng.choice(words)
-                          for _ in range(rng.randint(1, 4)))
-        q = rng.choice(["Repeat after me: {p}", "Say exactly this: {p}", "Repeat: {p}"]).format(p=phrase)
-        train.append(chat("repeat", q, phrase, rng))
 
     # Greetings, counting and small arithmetic.
     for _ in range(4):

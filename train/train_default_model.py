@@ -6,7 +6,7 @@
 1. builds the corpus (`build_corpus.py`) from the data kept in `train/data/`;
 2. trains a sentencepiece BPE tokenizer on it (byte fallback, so any UTF-8 text encodes;
    `<|im_start|>`/`<|im_end|>` are control symbols, `<think>`, `</think>`, `<function=`,
-   `</function>`, the newline and the space are user-defined symbols, each a single id);
+   `</function>` and the newline are user-defined symbols, each a single id);
 3. trains a small Llama decoder (`DecoderForCausalLM`) with AdamW and a cosine schedule; the loss
    covers the assistant answer of each conversation (prompts rendered by `chat_template.jinja`
    exactly as the engine renders them) and every token of the plain text documents;
@@ -46,9 +46,7 @@ logger = logging.getLogger("train_default_model")
 TEMPLATE_PATH = os.path.join(HERE, "chat_template.jinja")
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 CONTROL_SYMBOLS = ["<|im_start|>", "<|im_end|>"]
-# "\u2581" is sentencepiece's space: as a symbol of its own every space is one token, so a name is the
-# same token in running text ("in Paris?") and inside JSON ('{"city": "Paris"}') and copying it is exact.
-USER_DEFINED_SYMBOLS = ["<think>", "</think>", "<function=", "</function>", "\n", "\u2581"]
+USER_DEFINED_SYMBOLS = ["<think>", "</think>", "<function=", "</function>", "\n"]
 IM_END = "<|im_end|>"
 
 
