@@ -92,3 +92,17 @@ def test_chat_template_gets_tools_and_kwargs():
     assert out == "TOOLS:get_weather\nuser: hi\nassistant:<think>"
     with pytest.raises(ValueError, match="messages"):
         ChatTemplate("{{ raise_exception('no system role') }}").render([])
+
+
+def test_sentencepiece_bos_follows_add_bos_token(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of text" for i in range(300)), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=280,
+                                   byte_fallback=True, character_coverage=1.0)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": False}))
+    tok = Tokenizer(str(tmp_path))
+    assert tok.encode("line 1", add_special_tokens=True) == tok.encode("line 1")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    tok = Tokenizer(str(tmp_path))
+    assert tok.encode("line 1", add_special_tokens=True) == [tok.bos_token_id] + tok.encode("line 1")

@@ -76,7 +76,7 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._encode_sentencepiece(text)
-        if add_special_tokens and self._sp.bos_id() >= 0:
+        if add_special_tokens and self.config.get("add_bos_token", True) and self._sp.bos_id() >= 0:
             ids = [self._sp.bos_id()] + ids
         return ids
 
