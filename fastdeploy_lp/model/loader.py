@@ -84,7 +84,7 @@ def load_model(config: ModelConfig, max_positions: int | None = None) -> Decoder
         state[p + "input_layernorm.weight"] = take(f"model.layers.{i}.input_layernorm.weight")
         state[p + "post_attention_layernorm.weight"] = take(f"model.layers.{i}.post_attention_layernorm.weight")
     if not config.tie_word_embeddings:
-        state["lm_head"] = linear("lm_head.weight")
+        state["lm_head"] = take("lm_head.weight")
     raw.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
     if raw:
         logger.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(raw), next(iter(raw)))
@@ -121,7 +121,7 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
         out[f"model.layers.{i}.input_layernorm.weight"] = state[p + "input_layernorm.weight"]
         out[f"model.layers.{i}.post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = state["lm_head"].T
+        out["lm_head.weight"] = state["lm_head"]
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
