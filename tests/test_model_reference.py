@@ -39,7 +39,7 @@ def test_cached_decode_logits_match_transformers(name):
     inputs, ref = load_reference(name)
     ids = inputs[0]
     cfg, max_len, slot = model.config, 64, 1
-    shape = [2 * max_len, cfg.num_key_value_heads, cfg.head_dim]
+    shape = [2 * cfg.num_key_value_heads * max_len, cfg.head_dim]
     caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in model.layers]
     half = len(ids) // 2
 

@@ -27,7 +27,7 @@ class ModelRunner:
         cfg = fd_config.model_config
         self.max_len = fd_config.max_model_len
         self.model = load_model(cfg, max_positions=self.max_len)
-        shape = [fd_config.max_num_seqs * self.max_len, cfg.num_key_value_heads, cfg.head_dim]
+        shape = [fd_config.max_num_seqs * cfg.num_key_value_heads * self.max_len, cfg.head_dim]
         self.kv_caches = [(paddle.zeros(shape, dtype=cfg.dtype), paddle.zeros(shape, dtype=cfg.dtype))
                           for _ in range(cfg.num_hidden_layers)]
         self.num_forward_passes = 0

@@ -114,8 +114,10 @@ class SequenceGroup:
 class AttentionBatch:
     """Where the tokens of one forward pass sit in the KV cache.
 
-    Tokens are flattened: `positions[i]` is token i's absolute position and `cache_rows[i]` the
-    row of the flattened `[slots * max_len]` cache it writes. The projections and MLPs run over all
+    Tokens are flattened: `positions[i]` is token i's absolute position and `cache_rows[i]` its
+    place `slot * max_len + position` in the slot cache. Each layer's cache is `[slots, kv_heads,
+    max_len, head_dim]` stored flat as `[slots * kv_heads * max_len, head_dim]`, so a slot's keys
+    for one head are contiguous rows that attention reads without copying. The projections and MLPs run over all
     tokens at once; attention runs per `SequenceGroup` (sequences adding equally many tokens), so
     prompts, decodes and forced tokens of any mix share one pass. No groups means a plain causal
     pass over one sequence (training and reference tests).
@@ -125,11 +127,21 @@ class AttentionBatch:
     cache_rows: paddle.Tensor | None = None
     groups: list[SequenceGroup] | None = None
     _rotary: tuple | None = field(default=None, init=False, repr=False)
+    _head_rows: paddle.Tensor | None = field(default=None, init=False, repr=False)
 
     def rotary_tables(self, rotary: "RotaryEmbedding", dtype):
         if self._rotary is None:
             self._rotary = rotary.tables(self.positions, dtype)
         return self._rotary
+
+    def head_rows(self, kv_heads: int) -> paddle.Tensor:
+        """Flat cache row of every (token, kv head), token-major: where `k.reshape([-1, head_dim])` goes."""
+        if self._head_rows is None:
+            max_len = self.groups[0].max_len
+            slot, pos = self.cache_rows // max_len, self.cache_rows % max_len
+            heads = paddle.arange(kv_heads, dtype="int64").unsqueeze(0)
+            self._head_rows = ((slot.unsqueeze(1) * kv_heads + heads) * max_len + pos.unsqueeze(1)).reshape([-1])
+        return self._head_rows
 
 
 class Attention(nn.Layer):
@@ -167,14 +179,16 @@ class Attention(nn.Layer):
             out = self._causal(q, k, v)
         else:
             k_cache, v_cache = kv_cache
-            k_cache.scatter_(batch.cache_rows, k, overwrite=True)
-            v_cache.scatter_(batch.cache_rows, v, overwrite=True)
+            rows = batch.head_rows(self.num_kv_heads)
+            k_cache.scatter_(rows, k.reshape([-1, self.head_dim]), overwrite=True)
+            v_cache.scatter_(rows, v.reshape([-1, self.head_dim]), overwrite=True)
             out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
         return paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
 
     def _slot_view(self, cache, group: SequenceGroup):
+        """[S, Hkv, span, D]: a strided view of the cache when the group's slots are contiguous."""
         lo, hi = group.slot_range
-        view = cache.reshape([-1, group.max_len, self.num_kv_heads, self.head_dim])[lo:hi, :group.span]
+        view = cache.reshape([-1, self.num_kv_heads, group.max_len, self.head_dim])[lo:hi, :, :group.span]
         return view if group.slot_index is None else paddle.index_select(view, group.slot_index)
 
     def _causal(self, q, k, v):
@@ -190,17 +204,16 @@ class Attention(nn.Layer):
     def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
         """Attention of new tokens over their sequences' cached keys (prefill or batched decode).
 
-        Heads sharing a KV head are folded into the query-length axis so every product is a plain
-        3-D batched matmul: Paddle's CPU kernels are far slower on broadcast batch dimensions.
+        Heads sharing a KV head are folded into the query-length axis, so each product is one
+        batched matmul over [sequences, kv heads] that reads the cache views in place.
         """
         seqs, new, span = len(group.slots), group.new, group.span
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        keys, values = (self._slot_view(c, group) for c in (k_cache, v_cache))              # [S, L, Hkv, D]
-        keys = keys.transpose([0, 2, 3, 1]).reshape([seqs * hkv, dim, span])
-        values = values.transpose([0, 2, 1, 3]).reshape([seqs * hkv, span, dim])
-        q = q.reshape([seqs, new, hkv, per_kv, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs * hkv, new * per_kv, dim])
-        scores = paddle.matmul(q, keys).astype("float32").reshape([seqs, hkv, new, per_kv, span]) * self.scale
-        probs = F.softmax(scores + group.mask, axis=-1).astype(q.dtype).reshape([seqs * hkv, new * per_kv, span])
+        keys, values = (self._slot_view(c, group) for c in (k_cache, v_cache))              # [S, Hkv, L, D]
+        q = q.reshape([seqs, new, hkv, per_kv, dim]).transpose([0, 2, 1, 3, 4]).reshape([seqs, hkv, new * per_kv, dim])
+        scores = paddle.matmul(q, keys, transpose_y=True).astype("float32") * self.scale
+        scores = scores.reshape([seqs, hkv, new, per_kv, span]) + group.mask
+        probs = F.softmax(scores, axis=-1).astype(q.dtype).reshape([seqs, hkv, new * per_kv, span])
         out = paddle.matmul(probs, values).reshape([seqs, hkv, new, per_kv, dim])
         return out.transpose([0, 2, 1, 3, 4]).reshape([-1, self.num_heads, dim])
 
