@@ -160,6 +160,7 @@ class FDConfig:
     logits_processors: list[str] = field(default_factory=list)
     guided_decoding_backend: str = "llguidance"
     fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
+    cpu_threads: int | None = None  # threads for CPU math; None: every core this process may use
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts

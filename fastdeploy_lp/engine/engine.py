@@ -18,7 +18,6 @@ import uuid
 from typing import Any
 
 import numpy as np
-import paddle
 
 from ..config import FDConfig
 from ..processors.builtin.bad_words import word_sequences
@@ -50,7 +49,6 @@ class LLMEngine:
     def __init__(self, fd_config: FDConfig):
         self.fd_config = fd_config
         cfg = fd_config.model_config
-        paddle.set_device(fd_config.device)  # every tensor the engine and processors make lands there
         self.tokenizer = Tokenizer(cfg.model)
         fd_config.tokenizer = self.tokenizer
         eos = list(cfg.eos_token_ids)
