@@ -197,7 +197,7 @@ class LLMEngine:
     def _decode(self, running: list[Request], finished: list[Request]) -> None:
         feeds = []
         for r in running:  # every token not in the slot's KV cache yet: a prompt, one token, or forced ones
-            tokens = (r.prompt_ids + r.output_ids)[r.cached_len:]
+            tokens = r.prompt_ids[r.cached_len:] + r.output_ids[max(0, r.cached_len - len(r.prompt_ids)):]
             feeds.append(SlotFeed(r.slot, tokens, r.cached_len))
             r.cached_len += len(tokens)
         logits = self.runner.forward(feeds)

@@ -41,7 +41,6 @@ class ModelRunner:
         shape = [fd_config.max_num_seqs * cfg.num_key_value_heads * self.max_len, cfg.head_dim]
         self.kv_caches = [(paddle.zeros(shape, dtype=cfg.dtype), paddle.zeros(shape, dtype=cfg.dtype))
                           for _ in range(cfg.num_hidden_layers)]
-        self.num_forward_passes = 0
 
     @paddle.no_grad()
     def forward(self, feeds: list[SlotFeed]) -> paddle.Tensor:
@@ -67,7 +66,6 @@ class ModelRunner:
                 base = f.slot * self.max_len
                 cache_rows += range(base + f.start, base + f.start + n)
                 last.append(len(ids) - 1)
-        self.num_forward_passes += 1
         batch = AttentionBatch(positions=paddle.to_tensor(positions, dtype="int64"),
                                cache_rows=paddle.to_tensor(cache_rows, dtype="int64"), groups=groups)
         hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)

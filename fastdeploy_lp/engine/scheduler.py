@@ -116,10 +116,3 @@ class SlotScheduler:
         s["logits_processors_args"][slot] = LogitsProcessorArgs()
         s["sampling_params"][slot] = None
         s["output_ids"][slot] = []
-
-    def remove_waiting(self, request_id: str) -> Request | None:
-        for r in self.waiting:
-            if r.request_id == request_id:
-                self.waiting.remove(r)
-                return r
-        return None
