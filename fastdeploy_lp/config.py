@@ -37,9 +37,41 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPES[key]
 
 
+class UnsupportedCheckpointError(ValueError):
+    """A checkpoint asks for something the decoder does not implement: a config switch or value, a
+    tensor it would not use, a missing tensor or one of the wrong shape. The message names it."""
+
+
+# transformers' ACT2FN names that `fastdeploy_lp.model.activations` implements (`prelu` and `xielu`
+# carry learned weights no supported architecture stores, so they are not among them).
+HIDDEN_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_fast", "gelu_accurate",
+                      "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_10", "quick_gelu", "relu", "relu2", "relu6",
+                      "leaky_relu", "sigmoid", "tanh", "mish", "laplace", "linear")
+
+# RoPE types and the keys each one reads (transformers' ROPE_INIT_FUNCTIONS has more: dynamic,
+# yarn, longrope, ... which are refused).
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+# Defaults of the transformers config classes, used when config.json leaves a key out.
+_ARCH_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None,
+                           "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass
 class ModelConfig:
-    """The fields of a Hugging Face `config.json` that the Llama-family decoder needs."""
+    """The fields of a Hugging Face `config.json` that the Llama-family decoder needs.
+
+    `from_dict` reads each architecture the way its transformers class does (which switches exist,
+    their defaults) and refuses, with `UnsupportedCheckpointError` naming it, any switch or value
+    the decoder does not implement.
+    """
 
     model: str
     architecture: str
@@ -55,13 +87,16 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections have a bias (Llama/Qwen3 `attention_bias`; always on Qwen2)
     qk_norm: bool
     checkpoint_dtype: str
     eos_token_ids: list[int]
     bos_token_id: int | None
     pad_token_id: int | None
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # set when some layer attends through a window of this size
+    o_proj_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; never on Qwen2/Mistral)
+    mlp_bias: bool = False  # gate/up/down projections have a bias (Llama `mlp_bias`)
+    hidden_act: str = "silu"  # the gate activation, one of HIDDEN_ACTIVATIONS
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the dtype the engine computes in (set by FDConfig)
 
@@ -84,21 +119,45 @@ class ModelConfig:
             raise ValueError(
                 f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
                 f"{model_dir or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        where = f"{arch} config in {model_dir or 'config'}"
 
-        # Two config styles exist on the Hub: `rope_theta` + `rope_scaling` (transformers < 5)
-        # and a single `rope_parameters` dict (transformers >= 5).
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ValueError(f"model: unsupported rope scaling type {kind!r} (default, linear, llama3)")
-            scaling["rope_type"] = kind
+        def refuse(switch: str, why: str):
+            raise UnsupportedCheckpointError(f"model: unsupported config switch {switch} in the {where}: {why}")
+
+        defaults = _ARCH_DEFAULTS[arch]
+        if cfg.get("quantization_config"):
+            method = (cfg["quantization_config"] or {}).get("quant_method", "?")
+            refuse(f"quantization_config (quant_method {method!r})", "only float32/bfloat16/float16 weights load")
+
+        theta, scaling = _read_rope(cfg, refuse)
+
+        hidden_act = cfg.get("hidden_act", "silu")
+        if hidden_act not in HIDDEN_ACTIVATIONS:
+            refuse(f"hidden_act={hidden_act!r}", f"the activations implemented are {', '.join(HIDDEN_ACTIVATIONS)}")
+
+        # Which projections carry a bias, as each transformers class builds them.
+        attention_bias, mlp_bias = cfg.get("attention_bias"), cfg.get("mlp_bias")
+        if arch == "Qwen2ForCausalLM":  # q/k/v always biased, o never; no config switch
+            if attention_bias is not None and not attention_bias:
+                refuse("attention_bias=false", "Qwen2ForCausalLM always has q/k/v biases")
+            qkv_bias, o_bias = True, False
+        elif arch == "MistralForCausalLM":  # no biases at all
+            if attention_bias:
+                refuse("attention_bias=true", "MistralForCausalLM has no attention biases (LlamaForCausalLM has)")
+            qkv_bias = o_bias = False
+        else:  # Llama, Qwen3: q/k/v and o together
+            qkv_bias = o_bias = bool(attention_bias)
+        if mlp_bias and arch != "LlamaForCausalLM":
+            refuse("mlp_bias=true", f"{arch} has no MLP biases (LlamaForCausalLM has)")
 
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        kv_heads = int(cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads)
+        if heads % kv_heads:
+            refuse(f"num_key_value_heads={kv_heads}", f"it must divide num_attention_heads={heads}")
+        head_dim = int(cfg.get("head_dim", defaults["head_dim"]) or hidden // heads)
+
         eos = cfg.get("eos_token_id")
         eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         gen = _read_generation_config(model_dir)
@@ -113,26 +172,81 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or defaults["max_position_embeddings"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(mlp_bias),
+            hidden_act=hidden_act,
             qk_norm=arch == "Qwen3ForCausalLM",
             checkpoint_dtype=normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
-            sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and (
-                cfg.get("use_sliding_window", True)) else None,
+            sliding_window=_read_sliding_window(cfg, arch, layers, refuse),
             bos_token_id=cfg.get("bos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
                                                      "repetition_penalty") if k in gen},
         )
+
+
+def _read_rope(cfg: dict[str, Any], refuse) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling from either config style: `rope_theta` + `rope_scaling`
+    (transformers < 5) or one `rope_parameters` dict (transformers >= 5)."""
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        refuse(f"rope_parameters={rope!r}", "one RoPE for every layer is implemented, not per-layer-type RoPE")
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or rope)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        refuse(f"rope scaling type {kind!r}", f"the RoPE types implemented are {', '.join(ROPE_TYPES)}")
+    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        refuse(f"partial_rotary_factor={partial!r}", "RoPE rotates the whole head dimension here")
+    missing = [k for k in ROPE_TYPES[kind] if scaling.get(k) is None]
+    if missing:
+        refuse(f"rope scaling type {kind!r}", f"it needs {', '.join(missing)}, which the config does not give")
+    if kind == "default":
+        return theta, None
+    scaling["rope_type"] = kind
+    return theta, scaling
+
+
+def _read_sliding_window(cfg: dict[str, Any], arch: str, layers: int, refuse) -> int | None:
+    """The attention window if any layer uses one, as transformers decides it per architecture:
+    Mistral windows every layer (`sliding_window`, default 4096); Qwen2/Qwen3 only with
+    `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks; Llama never."""
+    if arch == "LlamaForCausalLM":
+        return None
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", _ARCH_DEFAULTS[arch]["sliding_window"])
+    else:
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+        types = cfg.get("layer_types")
+        if types is not None:
+            unknown = sorted({t for t in types if t not in _LAYER_TYPES}, key=str)
+            if unknown or len(types) != layers:
+                refuse(f"layer_types={types!r}",
+                       f"expected {layers} entries, each one of {', '.join(_LAYER_TYPES)}")
+        else:
+            first = int(cfg.get("max_window_layers", 28))
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(layers)]
+        if "sliding_attention" not in types:
+            window = None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        refuse(f"sliding_window={window!r}", "it must be a positive integer or null")
+    return window
 
 
 def _read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -161,6 +275,9 @@ class FDConfig:
     guided_decoding_backend: str = "llguidance"
     fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
     cpu_threads: int | None = None  # threads for CPU math; None: every core this process may use
+    # A processor whose update_state + apply take longer than this in one step fails the requests
+    # that enabled it (the step itself runs to the end: Python cannot preempt it). None: no limit.
+    logits_processor_timeout_s: float | None = 2.0
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
@@ -169,7 +286,8 @@ class FDConfig:
     def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                device: str | None = None, dtype: str | None = None,
                logits_processors: list[str] | None = None,
-               guided_decoding_backend: str = "llguidance", fast_forward: bool = True) -> "FDConfig":
+               guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
+               logits_processor_timeout_s: float | None = 2.0) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
         if dtype in (None, "auto"):
@@ -193,6 +311,10 @@ class FDConfig:
         if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len: must be an integer in 2..{limit} (the model's "
                              f"max_position_embeddings), got {max_model_len!r}")
+        if logits_processor_timeout_s is not None and not logits_processor_timeout_s > 0:
+            raise ValueError(f"logits_processor_timeout_s: must be > 0 (or None for no limit), "
+                             f"got {logits_processor_timeout_s!r}")
         return cls(model_config=model_config, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    device=device, logits_processors=list(logits_processors or []),
-                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward)
+                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
+                   logits_processor_timeout_s=logits_processor_timeout_s)

@@ -11,6 +11,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+MAX_N = 128
+MAX_TEMPERATURE = 100.0
+GREEDY_TEMPERATURE = 1e-5
+MAX_REPETITION_PENALTY = 100.0
+INT32_MAX = 2**31 - 1
+MAX_SEED = 2**64 - 1
+
+
 @dataclass
 class GuidedDecodingParams:
     """One output constraint; exactly one field is set."""
@@ -40,7 +48,7 @@ class GuidedDecodingParams:
 class SamplingParams:
     """Sampling controls for one request, as in vLLM and FastDeploy.
 
-    `temperature=0` is greedy. `seed` makes sampling reproducible for this request whatever else
+    `temperature=0` (or below 1e-5) is greedy. `seed` makes sampling reproducible for this request whatever else
     shares the batch. `logits_processors_args` is the JSON object the registered logits processors
     read (e.g. `{"logit_bias": {"128": 5.0}}`).
     """
@@ -72,46 +80,76 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1", self.n)
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings", self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(all(_integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be a list of token ids (non-negative integers)", self.stop_token_ids)
+        _check(_integer(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in 1..{MAX_N}", self.n)
+        _check(_finite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE}]", self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer", self.top_k)
+        _check(_integer(self.top_k) and -1 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be -1 or 0 (off), or a positive integer up to {INT32_MAX}", self.top_k)
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
-               self.repetition_penalty)
+        _check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]", self.repetition_penalty)
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
                "must be in [-2, 2]", self.frequency_penalty)
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
                "must be in [-2, 2]", self.presence_penalty)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
-               "must be a positive integer", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.max_tokens is None or (_integer(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX),
+               "max_tokens", f"must be an integer in 1..{INT32_MAX}", self.max_tokens)
+        _check(_integer(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX, "min_tokens",
+               f"must be an integer in 0..{INT32_MAX}", self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                "must not exceed max_tokens", self.min_tokens)
-        _check(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings", self.stop)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer", self.seed)
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+        # The n choices use seed, seed + 1, ...: all of them must be valid generator seeds.
+        _check(self.seed is None or (_integer(self.seed) and 0 <= self.seed <= MAX_SEED - self.n), "seed",
+               f"must be an integer in 0..{MAX_SEED - self.n}", self.seed)
+        _check(self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                "must be an integer in 0..20", self.logprobs)
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean",
+               self.skip_special_tokens)
         _check(self.logits_processors_args is None or isinstance(self.logits_processors_args, dict),
                "logits_processors_args", "must be a JSON object", self.logits_processors_args)
         if self.logit_bias is not None:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
-                raise ValueError(f"logit_bias: must map token ids to numbers, got {self.logit_bias!r}") from None
-            _check(all(_finite(v) for v in self.logit_bias.values()), "logit_bias", "biases must be finite",
-                   self.logit_bias)
+            self.logit_bias = _token_biases(self.logit_bias)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words),
+                   "bad_words", "must be a list of non-empty strings", self.bad_words)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this small would overflow `logits / temperature`; they mean greedy."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self, **changes) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["extra"] = dict(self.extra)
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _token_biases(value) -> dict[int, float]:
+    """`{token id: bias}` from ints or decimal strings ("128", as JSON keys are); biases in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias: must map token ids to numbers, got {value!r}")
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        elif _integer(key) and key >= 0:
+            token = key
+        else:
+            raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+        if not (_finite(bias) and -100 <= bias <= 100):
+            raise ValueError(f"logit_bias: bias for token {token} must be a number in [-100, 100], got {bias!r}")
+        out[token] = float(bias)
+    return out
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

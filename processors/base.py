@@ -53,9 +53,10 @@ def active_slots(share_inputs: dict) -> np.ndarray:
 
 def batch_key(share_inputs: dict, slots: np.ndarray) -> tuple:
     """A value that changes exactly when the batch's composition does (a request joins, leaves or
-    moves), so a processor can rebuild its index tensors only then."""
-    ids, args = share_inputs["req_ids"], share_inputs["logits_processors_args"]
-    return tuple((int(s), ids[s], id(args[s])) for s in slots)
+    moves), so a processor can rebuild its index tensors only then. Admission ids are never reused,
+    unlike request ids (a client may send one again) or `id()` of args objects (Python reuses them)."""
+    admissions = share_inputs["admission_ids"]
+    return tuple((int(s), int(admissions[s])) for s in slots)
 
 
 class RequestFailures(Exception):

@@ -25,6 +25,14 @@ class ProcessorTiming:
     update_state_seconds: float = 0.0
     apply_seconds: float = 0.0
     calls: int = 0
+    failures: int = 0      # steps in which the processor raised
+    timeouts: int = 0      # steps in which it ran past the time limit
+
+
+def _raised(error: BaseException) -> bool:
+    """A processor's exception to isolate: anything but an interrupt from the keyboard (SystemExit
+    included — a processor must not be able to stop the server)."""
+    return not isinstance(error, KeyboardInterrupt)
 
 
 class LogitsProcessorPipeline:
@@ -37,6 +45,8 @@ class LogitsProcessorPipeline:
         self.timings = {name: ProcessorTiming() for name in self.names}
         self._open = any(type(p).declared_keys() is None for p in self.processors)
         self._enabled: list[bool] = [False] * len(self.processors)
+        self._step_seconds = [0.0] * len(self.processors)  # this step's update_state + apply
+        self.timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, params) -> LogitsProcessorArgs:
@@ -91,9 +101,14 @@ class LogitsProcessorPipeline:
             start = time.perf_counter()
             try:
                 p.update_state(share_inputs)
-            except Exception as e:
+            except BaseException as e:
+                if not _raised(e):
+                    raise
                 self._record_failure(i, e, rows, failures)
-            self.timings[self.names[i]].update_state_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.timings[self.names[i]].update_state_seconds += elapsed
+            self._step_seconds[i] = elapsed
+            self._check_time(i, rows, failures)
         return failures
 
     def apply(self, logits: paddle.Tensor, share_inputs: dict, all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
@@ -111,14 +126,37 @@ class LogitsProcessorPipeline:
                 if not isinstance(out, paddle.Tensor) or out.shape != logits.shape:
                     raise TypeError(f"apply() must return the logits tensor of shape {logits.shape}")
                 logits = out
-            except Exception as e:
+            except BaseException as e:
+                if not _raised(e):
+                    raise
                 # By contract a processor writes only the rows it is enabled for, and those
                 # requests are failed, so the rest of the batch is still good.
                 self._record_failure(i, e, rows, failures)
+            elapsed = time.perf_counter() - start
             timing = self.timings[self.names[i]]
-            timing.apply_seconds += time.perf_counter() - start
+            timing.apply_seconds += elapsed
             timing.calls += 1
+            self._step_seconds[i] += elapsed
+            self._check_time(i, rows, failures)
         return logits, failures
+
+    def _check_time(self, i, rows, failures) -> None:
+        """Fail the requests that enabled processor i if it has used more than its time this step.
+
+        The step is not interrupted (Python cannot preempt a running call), but the requests that
+        asked for a slow processor stop paying for it — and stop making everyone else pay."""
+        if self.timeout_s is None or self._step_seconds[i] <= self.timeout_s:
+            return
+        name = self.names[i]
+        self.timings[name].timeouts += 1
+        logger.warning("logits processor %s took %.2f s in one step (limit %g s); failing its requests",
+                       name, self._step_seconds[i], self.timeout_s)
+        self._step_seconds[i] = 0.0  # counted once per step
+        message = (f"logits processor {name} took longer than the per-step limit of {self.timeout_s:g} s "
+                   "(--logits-processor-timeout)")
+        for slot, args, params in rows:
+            if type(self.processors[i]).is_enabled_by(args, params):
+                failures.setdefault(slot, message)
 
     @staticmethod
     def _active_rows(share_inputs):
@@ -132,8 +170,21 @@ class LogitsProcessorPipeline:
             for slot, message in error.failures.items():
                 failures.setdefault(slot, f"logits processor {name}: {message}")
             return
-        logger.exception("logits processor %s failed", name)
+        timing = self.timings[name]
+        timing.failures += 1
+        if timing.failures == 1:  # one traceback; a processor failing every step would flood the log
+            logger.error("logits processor %s failed (later failures are counted, not traced)", name,
+                         exc_info=error)
+        elif _is_power_of_ten(timing.failures):
+            logger.error("logits processor %s has failed %d times; latest: %s: %s", name, timing.failures,
+                         type(error).__name__, error)
         message = f"logits processor {name} failed: {type(error).__name__}: {error}"
         for slot, args, params in rows:
             if type(self.processors[i]).is_enabled_by(args, params):
                 failures.setdefault(slot, message)
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1

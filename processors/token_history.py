@@ -34,8 +34,8 @@ class TokenHistory:
             self._allocate(len(share_inputs["stop_flags"]))
         if len(slots) == 0:
             return
-        req_ids, args, step = share_inputs["req_ids"], share_inputs["logits_processors_args"], share_inputs["step_idx"]
-        fresh = [s for s in slots if self._owner[s] != (req_ids[s], id(args[s]))]
+        admissions, step = share_inputs["admission_ids"], share_inputs["step_idx"]
+        fresh = [s for s in slots if self._owner[s] != admissions[s]]
         fresh_mask = np.isin(slots, fresh)
         grew = step[slots] - self._generated[slots]
         fresh += [s for s in slots[~fresh_mask & (grew != 0) & (grew != 1)]]
@@ -85,7 +85,7 @@ class TokenHistory:
         self._reserve(len(row))
         self.ids[slot, : len(row)] = row
         self.lengths[slot] = len(row)
-        self._owner[slot] = (share_inputs["req_ids"][slot], id(share_inputs["logits_processors_args"][slot]))
+        self._owner[slot] = int(share_inputs["admission_ids"][slot])
         self._generated[slot] = len(output)
         if self.device:
             self.tensor[slot, : len(row)] = paddle.to_tensor(row)

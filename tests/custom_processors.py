@@ -6,6 +6,7 @@ module imports as `custom_processors`, exactly as a user's own module would.
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import numpy as np
@@ -143,4 +144,37 @@ class NotAProcessor:
         pass
 
     def apply(self, logits):
+        return logits
+
+
+class HostileArgs(BaseModel):
+    write: Literal["nan", "-inf"] | None = None
+    exit_in: Literal["update_state", "apply"] | None = None
+    sleep_s: float | None = None
+
+
+class HostileLogitsProcessor(LogitsProcessor):
+    """Misbehaves for the rows that ask: writes NaN or -inf over the whole row, raises SystemExit,
+    or sleeps. The engine must fail exactly those requests and serve the rest."""
+
+    args_model = HostileArgs
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        self._active = []
+
+    def update_state(self, share_inputs):
+        self._active = [a for a, f in zip(share_inputs["logits_processors_args"], share_inputs["stop_flags"]) if not f]
+        if any(a.exit_in == "update_state" for a in self._active):
+            raise SystemExit(3)
+
+    def apply(self, logits):
+        if any(a.exit_in == "apply" for a in self._active):
+            raise SystemExit(3)
+        sleep = max((a.sleep_s or 0.0 for a in self._active), default=0.0)
+        if sleep:
+            time.sleep(sleep)
+        for row, a in enumerate(self._active):
+            if a.write:
+                logits[row] = float(a.write)
         return logits

@@ -41,6 +41,7 @@ class HandBatch:
         rid = f"req-{self._count}"
         s["stop_flags"][slot] = False
         s["req_ids"][slot] = rid
+        s["admission_ids"][slot] = self._count
         s["logits_processors_args"][slot] = self._validator.validate_args(args)
         s["prompt_ids"][slot] = np.asarray(prompt, dtype=np.int64)
         s["prompt_lens"][slot] = len(prompt)

@@ -69,7 +69,8 @@ def test_penalties_match_reference(logits_row):
     r = _request(0, prompt=prompt, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
     sampler.on_admit(r)
     for t in output:  # let the sampler count the output tokens as it would have produced them
-        sampler._count([r], np.array([t]))
+        sampler.record_token(r, t)
+    sampler.flush_counts()  # sample() does this first
     r.output_ids = output
     got = sampler._apply_penalties(paddle.to_tensor(logits_row[None]), [r]).numpy()[0]
     ref = logits_row.astype(np.float64).copy()

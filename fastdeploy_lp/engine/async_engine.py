@@ -202,7 +202,10 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = engine.step()
-            except BaseException as e:  # a bug below the processor isolation: stop serving, say why
+            except Exception as e:  # a bug below the request isolation: fail that batch, keep serving
+                logger.exception("engine step failed; failing the requests it was running")
+                outputs = engine.fail_running(e)
+            except BaseException as e:  # KeyboardInterrupt and the like: stop serving, say why
                 logger.exception("engine step failed; the engine stops serving")
                 self.error = e
                 self._stop.set()

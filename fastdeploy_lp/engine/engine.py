@@ -26,7 +26,7 @@ from ..processors.guided import GuidedDecodingLogitsProcessor
 from ..processors.pipeline import LogitsProcessorPipeline
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .request import FinishReason, Request, RequestOutput
+from .request import FinishReason, Logprob, Request, RequestOutput
 from .runner import ModelRunner, SlotFeed
 from .sampler import Sampler
 from .scheduler import SlotScheduler
@@ -43,6 +43,14 @@ def leading_processors(fd_config: FDConfig) -> list:
     if fd_config.custom_guided_decoding_backends:
         leading.append(RequestLogitsProcessorAdapter(fd_config))
     return leading
+
+
+def forced_logprob(request: Request, token: int) -> Logprob | None:
+    """A token appended without a sampling step had probability 1 under the constrained
+    distribution: its logprob is 0 (and it is its own only alternative)."""
+    if request.params.logprobs is None:
+        return None
+    return Logprob(token, 0.0, {token: 0.0} if request.params.logprobs else {})
 
 
 class LLMEngine:
@@ -97,7 +105,8 @@ class LLMEngine:
             requests.append(Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}", group_id=request_id,
                 prompt_ids=ids, params=params, prompt=text, index=i, args=args,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                                   params.skip_special_tokens),
                 rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng(),
                 bad_word_ids=bad_words))
         return requests
@@ -120,12 +129,12 @@ class LLMEngine:
             bad = [t for t in tokens if t < 0 or t >= vocab]
             if bad:
                 raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        room = limit - len(ids)
-        if params.max_tokens is None:
-            return params.clone(max_tokens=room)
         if params.guided_decoding is not None and not any(
                 isinstance(p, GuidedDecodingLogitsProcessor) for p in self.pipeline.processors):
             raise ValueError("guided_decoding: guided decoding is off on this engine (guided_decoding_backend='off')")
+        room = limit - len(ids)
+        if params.max_tokens is None:
+            return params.clone(max_tokens=room)
         if params.max_tokens > room:
             raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                              f"max_model_len={limit}; at most {room} tokens can be generated")
@@ -154,8 +163,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         finished: list[Request] = []
         self._drain_inbox(finished)
-        for request in self.scheduler.admit():
-            self.sampler.on_admit(request)
+        self._admit(finished)
         share_inputs = self.scheduler.share_inputs
 
         while True:  # settle: processors see failed requests leave and forced tokens land before the pass
@@ -168,9 +176,40 @@ class LLMEngine:
 
         running = self.scheduler.running
         if running:
-            self._decode(running, finished)
+            try:
+                self._decode(running, finished)
+            except Exception as e:  # no row of this pass can be trusted; the engine itself goes on
+                logger.exception("forward pass failed; failing the %d requests in it", len(running))
+                for r in running:
+                    self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(e).__name__}: {e}")
+        self.sampler.flush_counts()
         self.num_steps += 1
         return [r.to_output() for r in self._touched(running, finished)]
+
+    def _admit(self, finished: list[Request]) -> None:
+        """Move waiting requests into free slots; a request whose data cannot be set up fails alone."""
+        admitted, rejected = self.scheduler.admit()
+        for request in admitted:
+            try:
+                self.sampler.on_admit(request)
+            except Exception as e:
+                rejected.append((request, e))
+        for request, error in rejected:
+            logger.exception("request %s could not be admitted", request.request_id, exc_info=error)
+            self._finish(request, FinishReason.ERROR, finished,
+                         f"the request could not be admitted: {type(error).__name__}: {error}")
+
+    def fail_running(self, error: BaseException) -> list[RequestOutput]:
+        """After a step raised outside the isolation above: fail the requests it was running, so
+        the next step starts from a clean batch instead of repeating the failure."""
+        finished: list[Request] = []
+        victims = self.scheduler.running
+        if not victims:  # it failed before any request ran: the waiting ones are what it was handling
+            victims = list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+        for r in victims:
+            self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(error).__name__}: {error}")
+        return [r.to_output() for r in finished]
 
     def _take_forced_tokens(self, finished: list[Request]) -> bool:
         """Collect tokens processors published as certain; with fast-forward, append them now.
@@ -189,7 +228,8 @@ class LLMEngine:
             now = time.monotonic()
             while request.pending_forced and not request.finished:
                 request.rng.random()  # keep the seeded stream where one sampled step per token leaves it
-                self._append(request, request.pending_forced.popleft(), None, now, finished)
+                token = request.pending_forced.popleft()
+                self._append(request, token, forced_logprob(request, token), now, finished)
             request.pending_forced.clear()
             appended = True
         return appended
@@ -212,10 +252,14 @@ class LLMEngine:
             if request.slot in failures:
                 self._finish(request, FinishReason.ERROR, finished, failures[request.slot])
                 continue
-            token = int(result.tokens[row])
-            if request.pending_forced:  # fast-forward off: one forced token per step instead
+            if row in result.failures:
+                self._finish(request, FinishReason.ERROR, finished, result.failures[row])
+                continue
+            if request.pending_forced:  # fast-forward off: a forced token takes this step's place
                 token = request.pending_forced.popleft()
-            self._append(request, token, result.logprobs[row], now, finished)
+                self._append(request, token, forced_logprob(request, token), now, finished)
+            else:
+                self._append(request, int(result.tokens[row]), result.logprobs[row], now, finished)
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params
@@ -225,6 +269,7 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         self.scheduler.record_token(request, token)
+        self.sampler.record_token(request, token)
         stop_token = (token in p.stop_token_ids) or (token in self.eos_token_ids and not p.ignore_eos)
         if not stop_token:
             request.detokenizer.add(token)
@@ -244,11 +289,14 @@ class LLMEngine:
             self._pending -= 1
 
     def _drain_inbox(self, finished: list[Request]) -> None:
-        while not self._incoming.empty():
-            self.scheduler.waiting.append(self._incoming.get())
+        # Aborts first: a request is queued before its abort can be sent, so every abort read here
+        # finds its request among those read next (or earlier); read the other way round, an abort
+        # that arrives between the two reads would find nothing and be lost.
         aborted = set()
         while not self._aborts.empty():
             aborted.add(self._aborts.get())
+        while not self._incoming.empty():
+            self.scheduler.waiting.append(self._incoming.get())
         if not aborted:
             return
         matches = lambda r: r.request_id in aborted or r.group_id in aborted  # noqa: E731

@@ -34,7 +34,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, logits_processors: list[str] | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
                  dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-                 tool_functions: str | dict | None = None,
+                 tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
                  engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
                  **unsupported: Any):
         if unsupported:
@@ -43,7 +43,8 @@ class LLM:
             raise ValueError("logits_processors: must be a list of processor names")
         self.fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                          device=device, dtype=dtype, logits_processors=list(logits_processors or []),
-                                         guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward)
+                                         guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
+                                         logits_processor_timeout_s=logits_processor_timeout_s)
         self.fd_config.tool_functions = load_tool_functions(tool_functions)
         self.engine = LLMEngine(self.fd_config)
         self.tokenizer = self.engine.tokenizer

@@ -11,7 +11,8 @@ so a request with a seed produces the same text whatever else shares its batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -21,11 +22,32 @@ from ..processors.builtin.bad_words import banned_next_tokens
 from ..processors.tensor_ops import add_at, fill_at
 from .request import Logprob, Request
 
+logger = logging.getLogger(__name__)
+
+
+def _unusable_rows(logits: paddle.Tensor) -> paddle.Tensor:
+    """[rows] bool: rows with a NaN or +inf, or with every logit at -inf.
+
+    Two reductions instead of an elementwise check: a row's sum is NaN or +inf exactly when it
+    holds a NaN or a +inf (with -inf elsewhere it is NaN or stays -inf), and its max is -inf when
+    every entry is."""
+    total = logits.sum(axis=-1)
+    top = logits.max(axis=-1)
+    return paddle.logical_or(paddle.logical_or(paddle.isnan(total), total == float("inf")),
+                             top == float("-inf"))
+
+
+def unusable_reason(request: Request) -> str:
+    return ("no token can be sampled: after the logits processors and sampling options every logit of this "
+            "request is -inf, NaN or +inf (e.g. every allowed token is outside the vocabulary, or a processor "
+            "wrote NaN)")
+
 
 @dataclass
 class SampleResult:
-    tokens: np.ndarray                  # [rows] int64
+    tokens: np.ndarray                  # [rows] int64; undefined for failed rows
     logprobs: list[Logprob | None]      # per row, for requests that asked
+    failures: dict[int, str] = field(default_factory=dict)  # row -> why that request cannot go on
 
 
 def _uses_penalties(request: Request) -> bool:
@@ -40,9 +62,11 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._counts: paddle.Tensor | None = None       # [slots, vocab] output token counts
         self._in_prompt: paddle.Tensor | None = None    # [slots, vocab] prompt membership
+        self._pending_counts: list[tuple[int, int]] = []  # (slot, token) appended since the last flush
 
     def on_admit(self, request: Request) -> None:
         """Reset the penalty state of the request's slot."""
+        self.flush_counts()
         if not _uses_penalties(request):
             return
         if self._counts is None:
@@ -53,20 +77,57 @@ class Sampler:
         self._in_prompt[request.slot] = paddle.to_tensor(prompt[: self.vocab_size])
 
     def sample(self, logits: paddle.Tensor, requests: list[Request]) -> SampleResult:
+        """One token per row. A row whose data makes sampling fail, or whose logits leave nothing
+        sensible to sample (NaN, +inf, every token at -inf), is reported in `failures`; the others
+        are sampled exactly as they would be without it.
+        """
+        self.flush_counts()
+        greedy = [r.params.greedy for r in requests]
+        # Drawn before any tensor work so that retrying rows one by one sees the same numbers.
+        uniforms = None if all(greedy) else np.array([[r.rng.random()] for r in requests], dtype=np.float32)
+        try:
+            tokens, logprobs, unusable = self._sample(logits, requests, greedy, uniforms)
+        except Exception:
+            if len(requests) == 1:
+                raise
+            return self._sample_rows_alone(logits, requests, greedy, uniforms)
+        failures = {int(i): unusable_reason(requests[i]) for i in np.flatnonzero(unusable)}
+        return SampleResult(tokens, logprobs, failures)
+
+    def _sample(self, logits, requests, greedy, uniforms):
         logits = logits.astype("float32")
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_bias_and_bans(logits, requests)
+        unusable = _unusable_rows(logits)
         logprobs = self._logprobs(logits, requests)
-
-        greedy = [r.params.greedy for r in requests]
         argmax = paddle.argmax(logits, axis=-1)
-        if all(greedy):
+        if uniforms is None:
             tokens = argmax
         else:
-            tokens = paddle.where(paddle.to_tensor(greedy), argmax, self._draw(logits, requests))
+            tokens = paddle.where(paddle.to_tensor(greedy), argmax, self._draw(logits, requests, uniforms))
         tokens = tokens.numpy().astype(np.int64)
-        self._count(requests, tokens)
-        return SampleResult(tokens, self._pick_logprobs(logprobs, tokens, requests))
+        unusable = unusable.numpy()
+        return tokens, self._pick_logprobs(logprobs, tokens, requests), unusable
+
+    def _sample_rows_alone(self, logits, requests, greedy, uniforms) -> SampleResult:
+        """The batch failed: sample each row alone so only the rows whose data raise fail."""
+        tokens = np.zeros(len(requests), dtype=np.int64)
+        logprobs: list[Logprob | None] = [None] * len(requests)
+        failures = {}
+        for i, r in enumerate(requests):
+            row = logits[i:i + 1]
+            u = None if uniforms is None or greedy[i] else uniforms[i:i + 1]
+            try:
+                t, lp, unusable = self._sample(row, [r], greedy[i:i + 1], u)
+            except Exception as e:
+                logger.exception("sampling failed for request %s", r.request_id)
+                failures[i] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            if unusable[0]:
+                failures[i] = unusable_reason(r)
+                continue
+            tokens[i], logprobs[i] = t[0], lp[0]
+        return SampleResult(tokens, logprobs, failures)
 
     # -- stages -----------------------------------------------------------------------------------
     def _apply_penalties(self, logits, requests):
@@ -106,8 +167,9 @@ class Sampler:
         logits = add_at(logits, bias_rows, bias_cols, bias_vals)
         return fill_at(logits, ban_rows, ban_cols)
 
-    def _draw(self, logits, requests):
-        temps = paddle.to_tensor([r.params.temperature or 1.0 for r in requests], dtype="float32").unsqueeze(1)
+    def _draw(self, logits, requests, uniforms):
+        temps = [1.0 if r.params.greedy else r.params.temperature for r in requests]
+        temps = paddle.to_tensor(temps, dtype="float32").unsqueeze(1)
         probs = F.softmax(logits / temps, axis=-1)
         min_p = [r.params.min_p for r in requests]
         if any(min_p):
@@ -115,7 +177,7 @@ class Sampler:
             probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
         top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests]
         top_p = [r.params.top_p for r in requests]
-        uniforms = paddle.to_tensor([[r.rng.random()] for r in requests], dtype="float32")
+        uniforms = paddle.to_tensor(uniforms)
         if min(top_k) >= logits.shape[-1] and min(top_p) >= 1.0:
             return self._inverse_cdf(probs, uniforms)
         order = paddle.argsort(probs, axis=-1, descending=True)
@@ -137,11 +199,17 @@ class Sampler:
         return paddle.clip(index, max=probs.shape[-1] - 1)
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def _count(self, requests, tokens):
-        rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
-        if rows:
-            self._counts = add_at(self._counts, [requests[i].slot for i in rows], [int(tokens[i]) for i in rows],
-                                  [1.0] * len(rows))
+    def record_token(self, request: Request, token: int) -> None:
+        """Count a token the request really appended (sampled or forced) for its penalties."""
+        if _uses_penalties(request):
+            self._pending_counts.append((request.slot, token))
+
+    def flush_counts(self) -> None:
+        """Apply the recorded tokens in one scatter (before sampling, and before a slot is reused)."""
+        if self._pending_counts and self._counts is not None:
+            slots, tokens = zip(*self._pending_counts)
+            self._counts = add_at(self._counts, list(slots), list(tokens), [1.0] * len(slots))
+        self._pending_counts = []
 
     @staticmethod
     def _logprobs(logits, requests):

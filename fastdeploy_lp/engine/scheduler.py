@@ -14,6 +14,7 @@ has one entry per slot; `stop_flags[i]` is True when slot i is free or its reque
 | step_idx                 | np.ndarray[int64] [slots]      | number of tokens generated so far            |
 | next_tokens              | np.ndarray[int64] [slots]      | last sampled token (-1 before the first)     |
 | sampling_params          | list[SamplingParams or None]   | the request's full sampling parameters       |
+| admission_ids            | np.ndarray[int64] [slots]      | a number no other admission ever gets: tells a request that joined a slot from the one before it |
 | forced_tokens            | list[list[int]]                | written by processors in `update_state`: tokens certain to come next (see below) |
 | temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty |
 |                          | np.ndarray [slots]             | the request's sampling fields                |
@@ -52,6 +53,7 @@ def new_share_inputs(max_num_seqs: int) -> dict:
         "step_idx": np.zeros(s, dtype=np.int64),
         "next_tokens": np.full(s, -1, dtype=np.int64),
         "sampling_params": [None] * s,
+        "admission_ids": np.full(s, -1, dtype=np.int64),
         "forced_tokens": [[] for _ in range(s)],
     }
     for name, dtype in _SAMPLING_FIELDS.items():
@@ -65,23 +67,34 @@ class SlotScheduler:
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.share_inputs = new_share_inputs(max_num_seqs)
+        self._admissions = 0
 
     @property
     def running(self) -> list[Request]:
         """Requests in slots, in increasing slot order (the row order of the logits)."""
         return [r for r in self.slots if r is not None]
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots, lowest slot first."""
-        admitted = []
+    def admit(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
+        """Move waiting requests into free slots, lowest slot first.
+
+        Returns (admitted, rejected): a request whose values cannot be stored in its slot is
+        rejected with the error and leaves the slot free; the others are unaffected.
+        """
+        admitted, rejected = [], []
         for slot, occupant in enumerate(self.slots):
+            while occupant is None and self.waiting:
+                request = self.waiting.popleft()
+                try:
+                    self._place(request, slot)
+                except Exception as e:
+                    self.free(request)
+                    rejected.append((request, e))
+                    continue
+                admitted.append(request)
+                break
             if not self.waiting:
                 break
-            if occupant is None:
-                request = self.waiting.popleft()
-                self._place(request, slot)
-                admitted.append(request)
-        return admitted
+        return admitted, rejected
 
     def _place(self, request: Request, slot: int) -> None:
         request.slot = slot
@@ -96,6 +109,8 @@ class SlotScheduler:
         s["step_idx"][slot] = 0
         s["next_tokens"][slot] = -1
         s["sampling_params"][slot] = p
+        self._admissions += 1
+        s["admission_ids"][slot] = self._admissions
         s["forced_tokens"][slot] = []
         for name in _SAMPLING_FIELDS:
             s[name][slot] = getattr(p, name)

@@ -15,8 +15,9 @@ _CONTEXT = 6  # prompt tokens kept as left context so the first output piece dec
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
@@ -30,12 +31,25 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> None:
         """Feed one generated token; may find a stop string (then `stopped_on` is set)."""
         self._ids.append(int(token_id))
-        decode = self.tokenizer.decode
-        before = decode(self._ids[self._prefix:self._read])
-        after = decode(self._ids[self._prefix:])
+        before, after = self._decode_window()
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # a multi-byte character is not complete yet
-        new = after[len(before):]
+        self._release(after[len(before):])
+
+    def finish(self) -> None:
+        """The request ended: release what is still held back, incomplete characters included
+        (as U+FFFD, the way `decode` of the whole output shows them)."""
+        if self.stopped_on is not None or self._read == len(self._ids):
+            return
+        before, after = self._decode_window()
+        self._release(after[len(before):])
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        return (decode(self._ids[self._prefix:self._read], skip_special_tokens=skip),
+                decode(self._ids[self._prefix:], skip_special_tokens=skip))
+
+    def _release(self, new: str) -> None:
         self._prefix, self._read = self._read, len(self._ids)
         start = max(0, len(self.text) - self._hold)
         self.text += new
@@ -53,6 +67,8 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool) -> str:
         """Text not handed out yet. While running, keep back a tail that could start a stop string."""
+        if final:
+            self.finish()
         end = len(self.text) if final or self.stopped_on is not None else max(self._emitted, len(self.text) - self._hold)
         delta = self.text[self._emitted:end]
         self._emitted = end

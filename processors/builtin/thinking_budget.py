@@ -118,7 +118,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
             self._forced[i, : len(f)] = f
         self._history.update(share_inputs, self._slots)
         for slot in self._slots:  # a request new to its slot: read its state from the whole history
-            owner = (share_inputs["req_ids"][slot], id(share_inputs["logits_processors_args"][slot]))
+            owner = int(share_inputs["admission_ids"][slot])
             if self._owner[slot] != owner:
                 self._owner[slot] = owner
                 self._scan(share_inputs, slot)
