@@ -184,6 +184,7 @@ def test_full_queue_is_429_then_serves_again(server):
             r = post(server, "/v1/chat/completions", chat())
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1"
         finally:
             for s in streams:
                 s.__exit__(None, None, None)  # disconnect: both are aborted

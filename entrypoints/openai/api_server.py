@@ -11,16 +11,18 @@ handlers only parse, submit, and shape the answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import hmac
 import inspect
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +39,7 @@ from ...processors.registry import BUILTIN_PROCESSORS
 from .args import check_guided_decoding_backend, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
 from .errors import OpenAIError, bad_request, from_error_dicts, from_validation_error
 from .metrics import ServerMetrics
+from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestTooLarge, too_large
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, ModelList)
 from .serving_chat import OpenAIServingChat
@@ -46,7 +49,9 @@ from .serving_engine import ClientDisconnected
 logger = logging.getLogger(__name__)
 
 IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)
+RETRY_AFTER_S = "1"
 
 
 @dataclass
@@ -55,8 +60,10 @@ class ServerSettings:
     model_path: str
     api_key: str | None = None
     strict_fields: bool = False
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = 1024
     model_aliases: set[str] = field(default_factory=set)
+    max_request_body_bytes: int = 8 << 20
+    shutdown_timeout_s: float = 30.0
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -82,19 +89,21 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.draining = False
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+    def not_serving_reason() -> str | None:
+        if app.state.draining:
+            return "the server is shutting down"
+        return None if async_engine.is_serving else async_engine._not_serving_reason()
 
     def serving() -> None:
-        if not async_engine.is_serving:
-            raise OpenAIError(503, f"not serving: {async_engine._not_serving_reason()}", code="not_serving")
+        reason = not_serving_reason()
+        if reason is not None:
+            raise OpenAIError(503, f"not serving: {reason}", code="not_serving",
+                              headers={"Retry-After": RETRY_AFTER_S})
 
     def check_fields(body) -> dict[str, str]:
         unknown = body.unknown_fields()
@@ -109,16 +118,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
         """200 while the engine serves, 503 otherwise (starting, shutting down, or stopped by an error)."""
-        if async_engine.is_serving:
-            return {"status": "ok"}
-        raise OpenAIError(503, f"not serving: {async_engine._not_serving_reason()}", code="not_serving")
+        serving()
+        return {"status": "ok"}
 
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics():
         """Prometheus text format; see `entrypoints/openai/metrics.py` for the metrics."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models", response_model=ModelList)
     async def list_models():
@@ -167,7 +175,12 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     # -- errors ---------------------------------------------------------------------------------
     @app.exception_handler(OpenAIError)
     async def openai_error(_, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestTooLarge)
+    async def request_too_large(_, exc: RequestTooLarge):
+        err = too_large(settings.max_request_body_bytes)
+        return JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):  # query/path parameters
@@ -184,7 +197,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(EngineNotServingError)
     async def engine_stopped(_, exc: EngineNotServingError):  # the engine stopped while we waited
         err = OpenAIError(503, f"not serving: {exc}", code="not_serving")
-        return JSONResponse(err.body(), status_code=503)
+        return JSONResponse(err.body(), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_, exc: ClientDisconnected):
@@ -212,6 +225,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _too_deep() from None
     except UnicodeDecodeError as e:
         raise bad_request(f"malformed JSON in the request body: not UTF-8 ({e.reason})", code="invalid_json") from None
     except json.JSONDecodeError as e:
@@ -221,10 +236,30 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise _too_deep()
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON, without recursion (the point is to refuse deep input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _too_deep() -> OpenAIError:
+    return bad_request(f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
 
 
 def _reject_constant(name: str):
@@ -261,7 +296,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     check_guided_decoding_backend(args.guided_decoding_backend, custom)
     fd_config = FDConfig.create(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                 device=args.device, dtype=args.dtype, logits_processors=list(args.logits_processors),
-                                guided_decoding_backend=args.guided_decoding_backend)
+                                guided_decoding_backend=args.guided_decoding_backend,
+                                logits_processor_timeout_s=args.logits_processor_timeout or None)
     fd_config.custom_guided_decoding_backends = custom
     fd_config.tool_functions = load_tool_functions(args.tool_functions)
     return LLMEngine(fd_config)
@@ -271,13 +307,55 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     names = args.served_model_name or [os.path.basename(os.path.normpath(args.model))]
     return ServerSettings(served_model_names=names, model_path=args.model, api_key=resolve_api_key(args),
                           strict_fields=args.strict_fields, max_waiting_requests=args.max_waiting_requests,
-                          model_aliases={args.model})
+                          model_aliases={args.model}, max_request_body_bytes=args.max_request_body_bytes,
+                          shutdown_timeout_s=args.shutdown_timeout)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain before it stops.
+
+    The first SIGTERM/SIGINT marks the app as draining (new requests and /health get 503), waits up
+    to `shutdown_timeout_s` for the running requests, then shuts the engine down: what is still
+    running ends with an error (an error event and [DONE] on streams, a JSON 503 otherwise). Only
+    then does uvicorn close the connections, and the process exits 0. A second signal skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.app = app
+        self._drain: asyncio.Task | None = None
+        self._signalled = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._signalled:  # asked twice: stop now
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        self._signalled = True
+        self.app.state.draining = True
+        logger.info("shutting down: draining running requests (up to %gs)", self.app.state.settings.shutdown_timeout_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signalled and self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_engine())
+        if self._drain is not None and self._drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def _drain_engine(self) -> None:
+        engine: AsyncLLMEngine = self.app.state.async_engine
+        deadline = time.monotonic() + self.app.state.settings.shutdown_timeout_s
+        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.engine.has_unfinished_requests():
+            logger.warning("shutdown timeout: ending %d running and %d waiting requests",
+                           engine.num_running, engine.num_waiting)
+        await asyncio.to_thread(engine.shutdown, reason="the server is shutting down")
+        await asyncio.sleep(0.1)  # let the handlers write those last answers
 
 
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine, then serve until interrupted. Returns the process exit status."""
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port is not None and args.metrics_port == args.port:
         print("fastdeploy-lp: cannot start: --metrics-port must differ from --port", file=sys.stderr)
@@ -298,8 +376,8 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"fastdeploy-lp: cannot start: --metrics-port {args.metrics_port}: {e}", file=sys.stderr)
             return 2
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                            timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=5)
+    server = GracefulServer(config, app)
     try:
         server.run()
     finally:

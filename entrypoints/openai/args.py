@@ -27,6 +27,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -81,9 +88,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help=f"Require 'Authorization: Bearer KEY' on /v1/* (also from ${API_KEY_ENV}). "
                              "/health and /metrics stay open.")
-    server.add_argument("--max-waiting-requests", type=_non_negative_int, default=None,
+    server.add_argument("--max-waiting-requests", type=_non_negative_int, default=1024,
                         help="Most sequences waiting for a free slot (a request with n=k counts k); more "
-                             "get 429. Default: no limit.")
+                             "get 429 with Retry-After.")
+    server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20,
+                        help="Larger request bodies get 413 before they are read.")
+    server.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                        help="On SIGTERM/SIGINT: refuse new requests (503), let running ones finish for up to "
+                             "this long, then end the rest with an error (streams: an error event and [DONE]).")
+    server.add_argument("--logits-processor-timeout", type=_non_negative_float, default=2.0, metavar="SECONDS",
+                        help="A logits processor taking longer than this in one step fails the requests that "
+                             "enabled it (the step itself is not interrupted). 0: no limit.")
     server.add_argument("--strict-fields", action="store_true",
                         help="Reject requests with unknown top-level fields (400) instead of listing them "
                              "in the x-fastdeploy-lp-ignored-fields response header.")

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*$")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_server_error",
           503: "service_unavailable"}
 
 
@@ -22,8 +23,9 @@ class OpenAIError(Exception):
     """An error the client gets back as `{"error": {...}}` with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -78,7 +80,8 @@ def from_error_dicts(errors: list[dict], drop_prefix: str | None = None) -> Open
         loc = tuple(err.get("loc", ()))
         if drop_prefix is not None and loc and loc[0] == drop_prefix:
             loc = loc[1:]
-        return tuple(p for p in loc if not _is_type_tag(p))
+        # The first part is always a field name, even one spelled like a type tag ("model").
+        return loc[:1] + tuple(p for p in loc[1:] if not _is_type_tag(p))
 
     first = max(errors, key=lambda e: len(clean(e)))
     return _from_error_dict(first, clean(first))

@@ -176,8 +176,8 @@ class _SamplingRequest(BaseModel):
         if value is None:
             return value
         for key, bias in value.items():
-            if not key.strip().lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal digits), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias!r}")
         return value
@@ -198,7 +198,9 @@ class _SamplingRequest(BaseModel):
         return None, "guided_decoding_backend"
 
     def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        """Fields this server does not read, top-level and inside nested objects (`messages[0].foo`,
+        `stream_options.foo`); `nvext` is excluded, its other keys are for custom backends."""
+        return sorted(_unknown_fields(self, "", skip={"nvext"}))
 
     def constraint_field(self) -> str:
         """The field that carries this request's output constraint (for error messages)."""
@@ -270,6 +272,22 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             bad_words=self.bad_words, logits_processors_args=self.logits_processors_args, guided_decoding=guided)
+
+
+def _unknown_fields(model: BaseModel, path: str, skip: set[str] = frozenset()) -> list[str]:
+    prefix = f"{path}." if path else ""
+    found = [prefix + k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if name in skip or value is None:
+            continue
+        if isinstance(value, BaseModel):
+            found += _unknown_fields(value, prefix + name)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    found += _unknown_fields(item, f"{prefix}{name}[{i}]")
+    return found
 
 
 def _json_value(field: str, value, want=(dict, bool)):

@@ -63,7 +63,10 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         for reserved in ("messages", "tools", "add_generation_prompt"):
             if reserved in kwargs:
-                raise ValueError(f"chat_template_kwargs: {reserved!r} is set by the request itself")
+                raise ValueError(f"chat_template_kwargs.{reserved}: set by the request itself, not here")
+        for reserved in ("bos_token", "eos_token"):
+            if reserved in kwargs:
+                raise ValueError(f"chat_template_kwargs.{reserved}: set by the tokenizer; it cannot be overridden")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                       tools=req.tools_for_template(), **kwargs)

@@ -109,9 +109,9 @@ class OpenAIServing:
             with value_errors_as_400(renames):
                 return await self.engine.add_request(prompt, params)
         except QueueFullError as e:
-            raise OpenAIError(429, str(e), code="queue_full") from None
+            raise OpenAIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineNotServingError as e:
-            raise OpenAIError(503, str(e), code="not_serving") from None
+            raise OpenAIError(503, str(e), code="not_serving", headers={"Retry-After": "1"}) from None
 
     # -- logprobs -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> tuple[str, list[int]]:

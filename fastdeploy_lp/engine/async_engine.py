@@ -110,14 +110,14 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="fastdeploy-lp-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, reason: str = "the engine has shut down") -> None:
         """Stop the engine thread after its current step; pending streams get `EngineNotServingError`."""
         self._stop.set()
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all, EngineNotServingError("the engine has shut down"))
+            self._loop.call_soon_threadsafe(self._fail_all, EngineNotServingError(reason))
 
     @property
     def is_serving(self) -> bool:
