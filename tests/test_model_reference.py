@@ -1,4 +1,5 @@
-"""The Paddle decoder matches `transformers` on the four reference checkpoints."""
+"""The Paddle decoder matches `transformers` on the reference checkpoints (one per architecture,
+plus llama3 RoPE scaling and Llama's `attention_bias`/`mlp_bias`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from fastdeploy_lp import LLM, FDConfig, ModelConfig, SamplingParams
 from fastdeploy_lp.model import AttentionBatch, SequenceGroup, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# llama-bias: `attention_bias` (q/k/v *and* o_proj biases) and `mlp_bias` (gate/up/down biases).
+MODELS = list(dict.fromkeys([*FIXTURE_MODELS, "llama-bias"]))
 
 
 def _model(path: str, dtype: str | None = None):
     return load_model(FDConfig.create(path, device="cpu", dtype=dtype).model_config)
 
 
-@pytest.mark.parametrize("name", FIXTURE_MODELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers_at_every_position(name):
     model = _model(fixture_dir(name))
     inputs, ref = load_reference(name)
@@ -32,7 +35,7 @@ def test_logits_match_transformers_at_every_position(name):
         np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", FIXTURE_MODELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_cached_decode_logits_match_transformers(name):
     """Prefill half the prompt into the slot cache, then feed the rest one token per pass."""
     model = _model(fixture_dir(name))
@@ -56,7 +59,7 @@ def test_cached_decode_logits_match_transformers(name):
     np.testing.assert_allclose(np.concatenate(got), ref["logits_0"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", FIXTURE_MODELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_greedy_generation_matches_transformers_alone_and_batched(name):
     llm = LLM(fixture_dir(name), max_num_seqs=4, device="cpu")
     inputs, ref = load_reference(name)
@@ -130,6 +133,11 @@ def test_both_config_styles_and_generation_config_are_read():
     assert ModelConfig.from_pretrained(fixture_dir("qwen2")).checkpoint_dtype == "bfloat16"
     assert ModelConfig.from_pretrained(fixture_dir("qwen3")).qk_norm
     assert new_style.eos_token_ids == [2]
+    assert not (new_style.attention_bias or new_style.o_proj_bias or new_style.mlp_bias)
+    biased = ModelConfig.from_pretrained(fixture_dir("llama-bias"))
+    assert biased.attention_bias and biased.o_proj_bias and biased.mlp_bias and biased.hidden_act == "silu"
+    qwen2 = ModelConfig.from_pretrained(fixture_dir("qwen2"))  # q/k/v bias without a config key, never o_proj
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.mlp_bias
 
 
 def test_mistral_checkpoint_runs_as_llama_with_its_window_capping_the_context(tmp_path):

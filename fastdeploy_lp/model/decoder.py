@@ -1,7 +1,8 @@
 """The Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) in one class.
 
-The architectures on the Hub differ only in switches that `ModelConfig` already reads, so one
-`DecoderForCausalLM` covers them all.
+The architectures on the Hub differ only in switches that `ModelConfig` reads (q/k/v, o_proj and
+MLP biases, q/k norm, `hidden_act`, RoPE scaling, tied head) and refuses when it does not
+implement them, so one `DecoderForCausalLM` covers them all.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..config import ModelConfig
+from .activations import activation
 
 
 class RMSNorm(nn.Layer):
@@ -157,6 +158,7 @@ class Attention(nn.Layer):
         self.qkv_bias = (self.create_parameter([self.q_size + 2 * self.kv_size], is_bias=True)
                          if config.attention_bias else None)
         self.o_weight = self.create_parameter([self.q_size, hidden])
+        self.o_bias = self.create_parameter([hidden], is_bias=True) if config.o_proj_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -183,7 +185,8 @@ class Attention(nn.Layer):
             k_cache.scatter_(rows, k.reshape([-1, self.head_dim]), overwrite=True)
             v_cache.scatter_(rows, v.reshape([-1, self.head_dim]), overwrite=True)
             out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
-        return paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
+        out = paddle.matmul(out.reshape([-1, self.q_size]), self.o_weight)
+        return out if self.o_bias is None else out + self.o_bias
 
     def _slot_view(self, cache, group: SequenceGroup):
         """[S, Hkv, span, D]: a strided view of the cache when the group's slots are contiguous."""
@@ -219,12 +222,22 @@ class Attention(nn.Layer):
 
 
 class MLP(nn.Layer):
+    """Gated MLP: `down(act(gate(x)) * up(x))`, `act` the config's `hidden_act`, biases with `mlp_bias`."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.act = activation(config.hidden_act)
         self.gate_up_weight = self.create_parameter([config.hidden_size, 2 * config.intermediate_size])
         self.down_weight = self.create_parameter([config.intermediate_size, config.hidden_size])
+        self.gate_up_bias = (self.create_parameter([2 * config.intermediate_size], is_bias=True)
+                             if config.mlp_bias else None)
+        self.down_bias = self.create_parameter([config.hidden_size], is_bias=True) if config.mlp_bias else None
 
     def forward(self, x):
-        gate, up = paddle.split(paddle.matmul(x, self.gate_up_weight), 2, axis=-1)
-        return paddle.matmul(F.silu(gate) * up, self.down_weight)
+        gate_up = paddle.matmul(x, self.gate_up_weight)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias
+        gate, up = paddle.split(gate_up, 2, axis=-1)
+        out = paddle.matmul(self.act(gate) * up, self.down_weight)
+        return out if self.down_bias is None else out + self.down_bias

@@ -4,20 +4,27 @@ Reads one `model.safetensors` or the shards listed in `model.safetensors.index.j
 bfloat16 or float16, transposes `[out, in]` linear weights to Paddle's `[in, out]`, and fuses
 q/k/v and gate/up. `save_pretrained` does the reverse, so the project's own training script
 writes checkpoints that any Hugging Face tool reads.
+
+Loading is strict: the file must hold exactly the tensors the config implies (`expected_tensors`),
+in their shapes. A tensor the model would not use, a missing one or a wrong shape is an
+`UnsupportedCheckpointError` that names it, never a warning and never a silently different model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
 
 import numpy as np
 import paddle
 from safetensors import safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, UnsupportedCheckpointError
 from .decoder import DecoderForCausalLM
+from .layers import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -40,34 +47,161 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _read_tensors(model_dir: str) -> dict[str, paddle.Tensor]:
-    tensors = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="paddle") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Old checkpoints store the RoPE frequencies as buffers; transformers recomputes them from the config.
+_INV_FREQ = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+_SHOWN = 8  # names listed per kind of problem before "... and N more"
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads for `config`, by Hugging Face name, with its Hugging Face shape
+    (`[out, in]` for linear weights). This is the whole contract a checkpoint must meet."""
+    h, d, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {_EMBED: (vocab, h), "model.norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        attn, mlp = _ATTN.format(i=i), _MLP.format(i=i)
+        shapes.update({attn + "q_proj.weight": (q, h), attn + "k_proj.weight": (kv, h),
+                       attn + "v_proj.weight": (kv, h), attn + "o_proj.weight": (h, q)})
+        if config.attention_bias:
+            shapes.update({attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)})
+        if config.o_proj_bias:
+            shapes[attn + "o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes.update({attn + "q_norm.weight": (d,), attn + "k_norm.weight": (d,)})
+        shapes.update({mlp + "gate_proj.weight": (inter, h), mlp + "up_proj.weight": (inter, h),
+                       mlp + "down_proj.weight": (h, inter)})
+        if config.mlp_bias:
+            shapes.update({mlp + "gate_proj.bias": (inter,), mlp + "up_proj.bias": (inter,),
+                           mlp + "down_proj.bias": (h,)})
+        shapes.update({f"model.layers.{i}.input_layernorm.weight": (h,),
+                       f"model.layers.{i}.post_attention_layernorm.weight": (h,)})
+    if not config.tie_word_embeddings:
+        shapes[_HEAD] = (vocab, h)
+    return shapes
+
+
+class _Checkpoint:
+    """Names, shapes and dtypes of every tensor in the checkpoint's files (read from the headers),
+    and the tensors themselves on demand."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for path in checkpoint_files(model_dir):
+            with safe_open(path, framework="paddle") as f:
+                for name in f.keys():
+                    if name in self.where:
+                        raise UnsupportedCheckpointError(
+                            f"model: tensor {name!r} is stored twice in {model_dir!r} "
+                            f"({os.path.basename(self.where[name])} and {os.path.basename(path)})")
+                    part = f.get_slice(name)
+                    self.where[name], self.shapes[name] = path, tuple(part.get_shape())
+                    self.dtypes[name] = part.get_dtype()
+
+    def read(self, names) -> dict[str, paddle.Tensor]:
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.where[name], []).append(name)
+        out = {}
+        for path, group in by_file.items():
+            with safe_open(path, framework="paddle") as f:
+                for name in group:
+                    out[name] = f.get_tensor(name)
+        return out
+
+
+def _listing(names, describe=repr) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(describe(n) for n in names[:_SHOWN]) + more
+
+
+def _tie_head(config: ModelConfig, ckpt: _Checkpoint) -> tuple[ModelConfig, dict[str, str]]:
+    """Tied embeddings as transformers loads them. With `tie_word_embeddings` and both matrices in
+    the file, equal matrices are tied and different ones are NOT tied (the file's `lm_head.weight`
+    becomes an untied head, transformers warns); a file holding only `lm_head.weight` ties the
+    embedding to it. Returns the config to build and {name the model reads: name in the file}."""
+    if not config.tie_word_embeddings or _HEAD not in ckpt.shapes:
+        return config, {}
+    if _EMBED not in ckpt.shapes:
+        return config, {_EMBED: _HEAD}
+    pair = ckpt.read([_EMBED, _HEAD])
+    embed, head = pair[_EMBED], pair[_HEAD]
+    if embed.shape == head.shape and bool(paddle.equal_all(embed.astype("float32"), head.astype("float32"))):
+        return config, {}
+    logger.warning("%s: tie_word_embeddings is set but the checkpoint's %s differs from %s; as transformers "
+                   "does, they are not tied (set tie_word_embeddings=false to silence this)",
+                   config.model, _HEAD, _EMBED)
+    return dataclasses.replace(config, tie_word_embeddings=False), {}
+
+
+def _check(config: ModelConfig, ckpt: _Checkpoint, aliases: dict[str, str]) -> None:
+    """Refuse, naming them, tensors the model would not use, tensors it needs that are missing, and
+    tensors of the wrong shape or dtype."""
+    expected = expected_tensors(config)
+    used = {aliases.get(n, n) for n in expected}
+    extra = set(ckpt.shapes) - used - ({_HEAD} if config.tie_word_embeddings else set())  # _tie_head: a copy
+    extra -= {n for n in extra if _INV_FREQ.fullmatch(n) and _rope_buffer_matches(config, ckpt, n)}
+    missing = [n for n in expected if aliases.get(n, n) not in ckpt.shapes]
+    wrong_shape = [n for n in expected if n not in missing and ckpt.shapes[aliases.get(n, n)] != expected[n]]
+    wrong_dtype = sorted(n for n in used & set(ckpt.shapes) if ckpt.dtypes[n] not in _DTYPES)
+    problems = []
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) the {config.architecture} model does not use (with this "
+                        f"config.json): {_listing(extra)}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_listing(missing)}")
+    if wrong_shape:
+        problems.append(f"{len(wrong_shape)} tensor(s) have the wrong shape: " + _listing(
+            wrong_shape, lambda n: f"{n!r} is {list(ckpt.shapes[aliases.get(n, n)])}, config.json says "
+                                   f"{list(expected[n])}"))
+    if wrong_dtype:
+        problems.append(f"{len(wrong_dtype)} tensor(s) have an unsupported dtype (float32, bfloat16, float16 "
+                        f"load): " + _listing(wrong_dtype, lambda n: f"{n!r} ({ckpt.dtypes[n]})"))
+    if problems:
+        raise UnsupportedCheckpointError(f"model: the checkpoint in {config.model!r} does not match its "
+                                         f"config.json: " + "; ".join(problems))
+
+
+def _rope_buffer_matches(config: ModelConfig, ckpt: _Checkpoint, name: str) -> bool:
+    """A stored `rotary_emb.inv_freq` is accepted only if it equals what the config gives."""
+    if ckpt.dtypes[name] not in _DTYPES:
+        return False
+    stored = ckpt.read([name])[name].astype("float32").numpy()
+    ours = rope_inverse_frequencies(config).numpy()
+    return stored.shape == ours.shape and bool(np.allclose(stored, ours, rtol=1e-2, atol=0))
 
 
 def load_model(config: ModelConfig, max_positions: int | None = None) -> DecoderForCausalLM:
-    """Build the decoder in `config.dtype` on the current Paddle device and load its weights."""
+    """Build the decoder in `config.dtype` on the current Paddle device and load its weights.
+
+    The checkpoint must hold exactly the tensors `expected_tensors(config)` lists, in their shapes
+    (besides what transformers also accepts: a duplicate `lm_head.weight` of a tied embedding and
+    RoPE frequency buffers that agree with the config); anything else is an
+    `UnsupportedCheckpointError` naming the tensors.
+    """
+    ckpt = _Checkpoint(config.model)
+    config, aliases = _tie_head(config, ckpt)
+    _check(config, ckpt, aliases)
     paddle.set_default_dtype(config.dtype)
     try:
         model = DecoderForCausalLM(config, max_positions)
     finally:
         paddle.set_default_dtype("float32")
     model.eval()
-    raw = _read_tensors(config.model)
+    raw = ckpt.read({aliases.get(n, n) for n in expected_tensors(config)})
 
     def take(name: str) -> paddle.Tensor:
-        if name not in raw:
-            raise ValueError(f"model: weight {name!r} missing from the checkpoint in {config.model!r}")
-        return raw.pop(name).astype(config.dtype)
+        return raw[aliases.get(name, name)].astype(config.dtype)
 
     def linear(name: str) -> paddle.Tensor:  # HF [out, in] -> Paddle [in, out]
         return take(name).T
 
-    state = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    state = {"embed_tokens.weight": take(_EMBED), "norm.weight": take("model.norm.weight")}
     for i in range(config.num_hidden_layers):
         attn, mlp, p = _ATTN.format(i=i), _MLP.format(i=i), f"layers.{i}."
         state[p + "self_attn.qkv_weight"] = paddle.concat(
@@ -75,24 +209,28 @@ def load_model(config: ModelConfig, max_positions: int | None = None) -> Decoder
         if config.attention_bias:
             state[p + "self_attn.qkv_bias"] = paddle.concat([take(attn + f"{x}_proj.bias") for x in "qkv"])
         state[p + "self_attn.o_weight"] = linear(attn + "o_proj.weight")
+        if config.o_proj_bias:
+            state[p + "self_attn.o_bias"] = take(attn + "o_proj.bias")
         if config.qk_norm:
             state[p + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
             state[p + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
         state[p + "mlp.gate_up_weight"] = paddle.concat(
             [linear(mlp + "gate_proj.weight"), linear(mlp + "up_proj.weight")], axis=1)
         state[p + "mlp.down_weight"] = linear(mlp + "down_proj.weight")
+        if config.mlp_bias:
+            state[p + "mlp.gate_up_bias"] = paddle.concat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            state[p + "mlp.down_bias"] = take(mlp + "down_proj.bias")
         state[p + "input_layernorm.weight"] = take(f"model.layers.{i}.input_layernorm.weight")
         state[p + "post_attention_layernorm.weight"] = take(f"model.layers.{i}.post_attention_layernorm.weight")
     if not config.tie_word_embeddings:
-        state["lm_head"] = take("lm_head.weight")
-    raw.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-    if raw:
-        logger.warning("ignoring %d unexpected checkpoint tensors, e.g. %s", len(raw), next(iter(raw)))
+        state["lm_head"] = take(_HEAD)
 
-    expected = set(model.state_dict().keys())
-    missing = expected - set(state)
-    if missing:
-        raise ValueError(f"model: no weights for {sorted(missing)[:5]}")
+    params = model.state_dict()
+    if set(params) != set(state):  # the decoder and expected_tensors() disagree: a bug here, not in the file
+        raise RuntimeError(f"model: loader and decoder disagree on {sorted(set(params) ^ set(state))}")
+    for name, value in state.items():
+        if list(params[name].shape) != list(value.shape):
+            raise RuntimeError(f"model: {name} is {list(value.shape)}, the decoder has {list(params[name].shape)}")
     model.set_state_dict(state)
     return model
 
@@ -112,12 +250,17 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
             for name, b in zip("qkv", np.split(state[p + "self_attn.qkv_bias"], [q, q + kv])):
                 out[attn + f"{name}_proj.bias"] = b
         out[attn + "o_proj.weight"] = state[p + "self_attn.o_weight"].T
+        if cfg.o_proj_bias:
+            out[attn + "o_proj.bias"] = state[p + "self_attn.o_bias"]
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = state[p + "self_attn.q_norm.weight"]
             out[attn + "k_norm.weight"] = state[p + "self_attn.k_norm.weight"]
         gate, up = np.split(state[p + "mlp.gate_up_weight"], 2, axis=1)
         out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate.T, up.T
         out[mlp + "down_proj.weight"] = state[p + "mlp.down_weight"].T
+        if cfg.mlp_bias:
+            out[mlp + "gate_proj.bias"], out[mlp + "up_proj.bias"] = np.split(state[p + "mlp.gate_up_bias"], 2)
+            out[mlp + "down_proj.bias"] = state[p + "mlp.down_bias"]
         out[f"model.layers.{i}.input_layernorm.weight"] = state[p + "input_layernorm.weight"]
         out[f"model.layers.{i}.post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     if not cfg.tie_word_embeddings:
