@@ -263,13 +263,13 @@ def test_complete_grammar_stops_and_max_tokens_first_gives_length(llm):
     assert cut.outputs.finish_reason == "length" and "Paris is lovely".startswith(cut.outputs.text)
 
 
-def test_a_token_the_grammar_rejects_fails_only_that_request(llm):
-    # min_tokens bans EOS after the grammar has ended, so whatever is sampled breaks the grammar.
+def test_a_constraint_that_leaves_nothing_to_sample_fails_only_that_request(llm):
+    # min_tokens bans EOS after the grammar has ended: no token is left, and nothing is sampled.
     stuck = _params(GuidedDecodingParams(choice=["Paris"]), 0, min_tokens=8)
     fine = _params(GuidedDecodingParams(regex="(Paris|London)"), 1)
     plain = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     outs = llm.generate([PROMPT] * 3, [stuck, fine, plain], use_tqdm=False)
-    assert outs[0].outputs.finish_reason == "error" and "does not fit the constraint" in outs[0].outputs.error
+    assert outs[0].outputs.finish_reason == "error" and "no token can be sampled" in outs[0].outputs.error
     assert outs[1].outputs.finish_reason == "stop" and outs[1].outputs.text in ("Paris", "London")
     assert outs[2].outputs.finish_reason == "length" and len(outs[2].outputs.token_ids) == 6
 

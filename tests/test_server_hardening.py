@@ -21,7 +21,8 @@ LIMIT = 200_000
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--max-num-seqs", "4", "--max-request-body-bytes", str(LIMIT),
-                     "--logits-processors", "LogitBiasLogitsProcessor", env={"FASTDEPLOY_LP_API_KEY": KEY})
+                     "--logits-processors", "LogitBiasLogitsProcessor", "custom_processors:HostileLogitsProcessor",
+                     env={"FASTDEPLOY_LP_API_KEY": KEY})
     yield s
     s.stop()
 
@@ -79,6 +80,17 @@ def test_deep_nesting_is_400_not_500(server, where):
 def test_bad_values_are_400s_naming_the_field_and_the_server_serves_on(server, body, param):
     assert error(post(server, body), 400)["param"] == param
     assert_serves(server)
+
+
+@pytest.mark.parametrize("args, message", [({"exit_in": "apply"}, "SystemExit"), ({"exit_in": "update_state"}, "SystemExit"),
+                                           ({"write": "nan"}, "no token can be sampled")])
+def test_a_processor_that_exits_or_writes_nan_fails_only_its_request(server, args, message):
+    r = post(server, chat(logits_processors_args=args))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "error" and message in choice["error"]["message"]
+    assert_serves(server)
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
 
 
 def test_unknown_nested_fields_are_reported_like_top_level_ones(server):

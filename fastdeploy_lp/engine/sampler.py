@@ -38,9 +38,9 @@ def _unusable_rows(logits: paddle.Tensor) -> paddle.Tensor:
 
 
 def unusable_reason(request: Request) -> str:
-    return ("no token can be sampled: after the logits processors and sampling options every logit of this "
-            "request is -inf, NaN or +inf (e.g. every allowed token is outside the vocabulary, or a processor "
-            "wrote NaN)")
+    return ("no token can be sampled: every logit is -inf, NaN or +inf after the logits processors and "
+            "sampling options (e.g. an output constraint whose only allowed tokens min_tokens, bad_words or "
+            "logit_bias removed, allowed tokens all outside the vocabulary, or a processor that wrote NaN)")
 
 
 @dataclass
