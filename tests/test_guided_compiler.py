@@ -121,6 +121,16 @@ def test_each_form_accepts_its_language(guide):
         assert not _accepts(guide, gd, bad), (gd, bad)
 
 
+def test_choice_is_one_lexeme_with_prefixes_quotes_and_the_empty_string(guide):
+    gd = GuidedDecodingParams(choice=["a", "ab", "", 'q"\\\n', "a"])
+    for text in ["a", "ab", 'q"\\\n']:
+        assert _accepts(guide, gd, text), text
+    for text in ["b", "abc", "aa", "q"]:
+        assert not _accepts(guide, gd, text), text
+    assert guide.compiler.compile(gd).new_matcher().is_accepting()  # "" is one of the options
+    assert not guide.compiler.compile(GuidedDecodingParams(choice=["x"])).new_matcher().is_accepting()
+
+
 def test_field_names_in_messages():
     bad = [(GuidedDecodingParams(json=[1]), "guided_json: must be a JSON schema object"),
            (GuidedDecodingParams(json="false"), "guided_json: must be a JSON schema object (or true), got false"),

@@ -20,28 +20,44 @@ A plain schema is used as written (JSON Schema semantics: extra keys allowed unl
 except that `format` values JSON Schema does not define (`topic`, `byte`) are dropped: they are
 annotations no validator checks. Keywords llguidance does not implement are refused, never ignored.
 
-A compiled constraint is the matcher in its start state with its first mask computed (so limits
-that only bite at the first step are found here too); each request gets a `deep_copy`. Results,
-errors included, are kept in an LRU cache keyed by the grammar text. Compiling runs on a helper
-thread (llguidance releases the GIL) and is abandoned after `compile_timeout_s`.
+A compiled constraint is the matcher in its start state with its first mask computed the way the
+engine computes masks (on an `LLExecutor`'s threads), and a copy taken one step further (the forced
+tokens, or else one allowed token) — limits that bite at the first steps are found here, not in a
+running request. Each request gets a `deep_copy`.
+
+Where the work runs (docs/guided_decoding.md, "Compile isolation"): the whole conversion (schema
+preparation, GBNF → Lark, building the matcher, the first steps) runs first in a compile-worker
+process (`sandbox.py`), where a native crash (llguidance overflows its stack on deeply chained
+rules) or a runaway compile (killed at the deadline) cannot reach the server. Only a constraint
+the worker compiled is then built here, from the worker's final grammar text, on a thread with a
+larger stack than the worker's (llguidance releases the GIL while it builds and fills masks). The
+limit, `compile_timeout_s`, covers waiting for a worker, the worker and the build here. Results,
+errors included, are kept in an LRU cache keyed by the request's constraint; a timeout is not
+cached (it depends on load). Identical constraints compiling at the same time are compiled once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import llguidance as llg
+import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-from .json_schema import check_depth, drop_custom_formats, strict_schema
+from .json_schema import check_depth, drop_custom_formats, json_format_options, strict_schema
+from .sandbox import CompileSandbox, SandboxCrashed, SandboxTimeout
 from .structural_tag import structural_tag_grammar
 
 logger = logging.getLogger(__name__)
@@ -49,6 +65,7 @@ logger = logging.getLogger(__name__)
 FIELDS = {"json": "guided_json", "json_object": "response_format", "regex": "guided_regex",
           "choice": "guided_choice", "grammar": "guided_grammar", "structural_tag": "structural_tag"}
 MAX_CONSTRAINT_CHARS = 1 << 20
+BUILD_STACK_BYTES = 32 << 20  # in-process builds: 4x a compile worker's stack (sandbox.WORKER_STACK_BYTES)
 _GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")
 _OPENAI_WRAPPER_KEYS = {"name", "description", "schema", "strict"}
 
@@ -82,20 +99,21 @@ def grammar_source(gd) -> tuple[str, str]:
     field = FIELDS[kind]
     ws = gd.whitespace_pattern
     if ws is not None:
-        if not isinstance(ws, str) or not ws:
-            raise GuidedDecodingError("guided_whitespace_pattern", "must be a non-empty regex")
-        error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_regex(ws))
+        if not isinstance(ws, str):
+            raise GuidedDecodingError("guided_whitespace_pattern", "must be a regex, or \"\" for no whitespace")
+        error = ws and llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_regex(ws))
         if error:
             raise GuidedDecodingError("guided_whitespace_pattern", f"invalid regex: {clean_error(error)}")
     try:
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else _schema(gd.json, field)
-            options = {"whitespace_pattern": ws} if ws is not None else None
-            return field, llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+            if gd.disable_additional_properties:
+                schema = strict_schema(schema)
+            return field, llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=json_format_options(ws))
         if kind == "regex":
             return field, llg.LLMatcher.grammar_from_regex(_bounded(gd.regex, field))
         if kind == "choice":
-            return field, llg.grammar_from("choice", json.dumps(gd.choice))
+            return field, choice_grammar(gd.choice, field)
         if kind == "grammar":
             text = _bounded(gd.grammar, field)
             if is_gbnf(text):
@@ -113,6 +131,69 @@ def grammar_source(gd) -> tuple[str, str]:
         raise
     except (ValueError, TypeError, RecursionError) as e:
         raise GuidedDecodingError(field, clean_error(str(e))) from None
+
+
+def choice_grammar(options, field: str = "guided_choice") -> str:
+    """One of `options`, as a single lexeme (an alternation of literals).
+
+    llguidance's own choice grammar makes each option a separate alternative of the start rule,
+    and its parser allows at most 2,000 items in a row: with more options every request failed at
+    its second token. One lexeme is the same language, and the lexer handles 100,000 options."""
+    if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+        raise GuidedDecodingError(field, "must be a non-empty list of strings")
+    _bounded(json.dumps(options), field)
+    words = list(dict.fromkeys(o for o in options if o))
+    if not words:  # only the empty string
+        return llg.LLMatcher.grammar_from_lark('start: ""')
+    optional = "?" if "" in options else ""
+    alternatives = " | ".join(json.dumps(w) for w in words)
+    return llg.LLMatcher.grammar_from_lark(f"start: CHOICE{optional}\nCHOICE: {alternatives}")
+
+
+def constraint_data(gd) -> dict:
+    """A `GuidedDecodingParams` as plain data (every field, whatever this version knows of them):
+    what compile workers receive and rebuild with `PlainConstraint`."""
+    return {"kind": gd.kinds()[0], "fields": {f.name: getattr(gd, f.name) for f in dataclasses.fields(gd)}}
+
+
+class PlainConstraint:
+    """`GuidedDecodingParams` rebuilt from `constraint_data` where the engine is not imported (a
+    compile worker): the same attributes, and `kinds()`; a field it was not given reads as None."""
+
+    def __init__(self, data: dict):
+        self.__dict__.update(data["fields"])
+        self._kind = data["kind"]
+
+    def kinds(self) -> list[str]:
+        return [self._kind]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def request_key(gd) -> tuple[str, str, str]:
+    """The cache key of a constraint: its kind, its value as text and its options (whitespace, ...).
+
+    Cheap, and checks the size before any work: a dict and its `json.dumps` text share a key."""
+    kind = gd.kinds()[0]
+    field, value = FIELDS[kind], getattr(gd, kind)
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except RecursionError:
+            raise GuidedDecodingError(field, "the JSON is nested too deeply") from None
+        except (TypeError, ValueError) as e:
+            raise GuidedDecodingError(field, f"must be JSON data: {e}") from None
+    _bounded(text, field)
+    options = {f.name: getattr(gd, f.name) for f in dataclasses.fields(gd) if f.name not in FIELDS}
+    ws = options.get("whitespace_pattern")
+    if isinstance(ws, str):
+        _bounded(ws, "guided_whitespace_pattern")
+    return kind, text, json.dumps(options, sort_keys=True, default=repr)
 
 
 def _bounded(text, field: str) -> str:
@@ -157,63 +238,250 @@ def clean_error(message: str) -> str:
             break
         kept.append(line.strip())
     text = re.sub(r"\s+", " ", " ".join(k for k in kept if k)).strip()
+    for internal, meaning in _ERROR_MEANINGS.items():
+        if internal in text:
+            text = f"{meaning} ({text})"
     return text[:500] or "invalid constraint"
 
 
+# llguidance messages that name its internals rather than the problem in the request.
+_ERROR_MEANINGS = {
+    "NoExtensionBias": "no output can ever satisfy it: a rule or $ref only leads back to itself, with no way to end",
+}
+
+
+def build_constraint(lltokenizer: llg.LLTokenizer, grammar: str, kind: str, field: str,
+                     limits: llg.LLParserLimits | None = None,
+                     executor: llg.LLExecutor | None = None) -> CompiledConstraint | GuidedDecodingError:
+    """Build the matcher for a grammar text and take its first steps; the error names `field`."""
+    start = time.perf_counter()
+    try:
+        matcher = llg.LLMatcher(lltokenizer, grammar, log_level=0, limits=limits)
+        problem = _first_steps(matcher, lltokenizer, executor or llg.LLExecutor(1))
+    except Exception as e:  # API-level failures still blame the request, not the engine
+        return GuidedDecodingError(field, f"cannot compile: {e}")
+    if problem:
+        return GuidedDecodingError(field, problem)
+    for warning in matcher.get_grammar_warnings():
+        logger.info("%s: %s", field, warning)
+    return CompiledConstraint(kind, matcher, time.perf_counter() - start)
+
+
+def _first_steps(matcher: llg.LLMatcher, lltokenizer: llg.LLTokenizer, executor: llg.LLExecutor) -> str | None:
+    """Why the matcher cannot be used, found by taking its first steps the way the engine does, or None.
+
+    The template's first mask is filled on the executor's threads (as every mask at run time is);
+    then a copy consumes what a request would consume first (the forced tokens, else the first
+    allowed token) and fills its next mask. Hitting llguidance's lexer or parser limits there
+    (a regex that needs too many states, 10,000 alternatives in one rule) is refused here instead
+    of ending a request at its first token."""
+    if matcher.is_error():
+        return f"invalid or unsupported: {clean_error(matcher.get_error())}"
+    bits = allocate_token_bitmask(1, lltokenizer.vocab_size)
+    fill_next_token_bitmask_par(executor, [(matcher, 0)], bits)
+    problem = dead_end(matcher, bits[0], lltokenizer.eos_tokens)
+    if problem:
+        return problem
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced:
+        probe.consume_tokens(forced)
+    else:
+        eos = set(lltokenizer.eos_tokens)
+        allowed = np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little"))
+        token = next((int(t) for t in allowed if int(t) not in eos), None)
+        if token is not None:
+            probe.consume_token(token)
+    if not probe.is_error() and not probe.is_stopped():
+        fill_next_token_bitmask_par(executor, [(probe, 0)], bits)
+    problem = dead_end(probe, bits[0], lltokenizer.eos_tokens)
+    if problem:
+        return f"the grammar engine cannot follow this constraint past its first token: {problem}"
+    return None
+
+
+def dead_end(matcher: llg.LLMatcher, row_bits: np.ndarray, eos_tokens) -> str | None:
+    """Why a matcher whose mask is `row_bits` cannot go on, or None: it is in error, or its mask
+    allows nothing but EOS although the constraint is not complete (EOS would end the output
+    with text the constraint rejects)."""
+    if matcher.is_error():
+        return clean_error(matcher.get_error())
+    words = row_bits.view(np.uint32).copy()
+    for eos in eos_tokens:
+        if eos < 32 * len(words):
+            words[eos >> 5] &= ~np.uint32(1 << (eos & 31))
+    if words.any() or matcher.is_accepting():
+        return None
+    reason = matcher.stop_reason() if matcher.is_stopped() else "no token can continue it"
+    return f"the constraint is incomplete but allows no further token ({reason})"
+
+
+class _BigStackThreads:
+    """A few daemon threads with a known stack size (`threading.stack_size` is process-wide, so it
+    is set only while they are created), shared by every compiler of the process."""
+
+    def __init__(self, n: int, stack_bytes: int):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        with _STACK_SIZE_LOCK:
+            previous = threading.stack_size(stack_bytes)
+            try:
+                for i in range(n):
+                    threading.Thread(target=self._serve, name=f"guided-build-{i}", daemon=True).start()
+            finally:
+                threading.stack_size(previous)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._tasks.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter
+                future.set_exception(e)
+            del future, fn, args  # do not keep the last matcher alive until the next task
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+_BUILDERS_LOCK = threading.Lock()
+_BUILDERS: _BigStackThreads | None = None
+
+
+def _builders() -> _BigStackThreads:
+    global _BUILDERS
+    with _BUILDERS_LOCK:
+        if _BUILDERS is None:
+            _BUILDERS = _BigStackThreads(4, BUILD_STACK_BYTES)
+        return _BUILDERS
+
+
+def _limits_data(limits: llg.LLParserLimits | None) -> dict | None:
+    if limits is None:
+        return None
+    names = ("max_items_in_row", "initial_lexer_fuel", "step_lexer_fuel", "step_max_items", "max_lexer_states",
+             "max_grammar_size", "precompute_large_lexemes", "verbose_errors")
+    return {n: getattr(limits, n) for n in names}
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, with an LRU cache and a per-compile time limit."""
+    """Compiles constraints for one tokenizer: sandboxed, time-limited, LRU-cached.
+
+    `tokenizer_spec` (`tokenizer.lltokenizer_spec`) lets compile workers build the same vocabulary;
+    `workers` (env FASTDEPLOY_LP_GUIDED_COMPILE_WORKERS, default 2) is the size of the worker pool,
+    which compilers with the same vocabulary share. With `workers=0` or no spec, everything is
+    compiled in this process, on a large-stack thread abandoned at the time limit: no isolation."""
 
     def __init__(self, lltokenizer: llg.LLTokenizer, cache_size: int | None = None,
-                 compile_timeout_s: float | None = None, limits: llg.LLParserLimits | None = None):
+                 compile_timeout_s: float | None = None, limits: llg.LLParserLimits | None = None,
+                 tokenizer_spec: dict | None = None, workers: int | None = None):
         self.lltokenizer = lltokenizer
         self.cache_size = cache_size or int(os.environ.get("FASTDEPLOY_LP_GUIDED_CACHE_SIZE", 128))
         self.compile_timeout_s = compile_timeout_s or float(
             os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S", 5.0))
         self.limits = limits
-        self._cache: OrderedDict[str, CompiledConstraint | GuidedDecodingError] = OrderedDict()
+        if workers is None:
+            workers = int(os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_WORKERS", 2))
+        self.sandbox = CompileSandbox.shared(tokenizer_spec, workers) if tokenizer_spec and workers > 0 else None
+        self._executor = llg.LLExecutor(1)
+        self._cache: OrderedDict[tuple, CompiledConstraint | GuidedDecodingError] = OrderedDict()
+        self._inflight: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def compile(self, gd) -> CompiledConstraint:
-        field, grammar = grammar_source(gd)
+        deadline = time.monotonic() + self.compile_timeout_s
+        key = request_key(gd)
+        field = FIELDS[key[0]]
+        pending = None
         with self._lock:
-            cached = self._cache.get(grammar)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(grammar)
+                self._cache.move_to_end(key)
                 self.hits += 1
-        if cached is None:
-            self.misses += 1
-            cached = self._compile_with_timeout(field, grammar, gd.kinds()[0])
-            with self._lock:
-                self._cache[grammar] = cached
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            else:
+                pending = self._inflight.get(key)
+                if pending is None:
+                    self.misses += 1
+                    self._inflight[key] = mine = Future()
+                else:
+                    self.hits += 1
+        if cached is None and pending is not None:  # the same constraint is being compiled: wait for it
+            try:
+                cached = pending.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise self._timeout(field) from None
+        elif cached is None:
+            try:
+                cached = self._compile(gd, key, field, deadline)
+            except BaseException as e:
+                mine.set_exception(e)
+                raise
+            finally:
+                with self._lock:
+                    if cached is not None:
+                        self._cache[key] = cached
+                        while len(self._cache) > self.cache_size:
+                            self._cache.popitem(last=False)
+                    del self._inflight[key]
+            mine.set_result(cached)
         if isinstance(cached, GuidedDecodingError):
             raise GuidedDecodingError(cached.field, str(cached))
         return cached
 
-    def _compile_with_timeout(self, field: str, grammar: str, kind: str):
-        box: dict = {}
-        worker = threading.Thread(target=lambda: box.update(result=self._build(field, grammar, kind)),
-                                  name="guided-compile", daemon=True)
-        worker.start()
-        worker.join(self.compile_timeout_s)
-        if worker.is_alive():  # not cached: the time depends on load; the thread finishes on its own
-            raise GuidedDecodingError(field, f"compiling the constraint took longer than {self.compile_timeout_s:g} s; "
-                                             "simplify it")
-        return box["result"]
-
-    def _build(self, field: str, grammar: str, kind: str) -> CompiledConstraint | GuidedDecodingError:
-        start = time.perf_counter()
+    def _compile(self, gd, key: tuple, field: str, deadline: float) -> CompiledConstraint | GuidedDecodingError:
+        """The result to cache (a constraint or the error it deserves); raises what must not be cached."""
+        kind = key[0]
+        if self.sandbox is None:
+            return self._build_here(_convert_and_build, (self.lltokenizer, gd, self.limits, self._executor),
+                                    field, deadline)
+        request = {"constraint": constraint_data(gd), "limits": _limits_data(self.limits)}
         try:
-            matcher = llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self.limits)
-            if not matcher.is_error():
-                first_mask = allocate_token_bitmask(1, self.lltokenizer.vocab_size)
-                fill_next_token_bitmask(matcher, first_mask, 0)
-        except Exception as e:  # API-level failures still blame the request, not the engine
-            return GuidedDecodingError(field, f"cannot compile: {e}")
-        if matcher.is_error():
-            return GuidedDecodingError(field, f"invalid or unsupported: {clean_error(matcher.get_error())}")
-        for warning in matcher.get_grammar_warnings():
-            logger.info("%s: %s", field, warning)
-        return CompiledConstraint(kind, matcher, time.perf_counter() - start)
+            reply = self.sandbox.run(request, deadline)
+        except SandboxTimeout as e:
+            if e.queued:  # not cached, and not the constraint's fault: the server was busy compiling others
+                raise GuidedDecodingError(field, f"not compiled: all {self.sandbox.size} grammar compile workers "
+                                                 f"stayed busy for the whole {self.compile_timeout_s:g} s limit; "
+                                                 "retry later") from None
+            raise self._timeout(field) from None
+        except SandboxCrashed as e:
+            logger.warning("%s: a compile worker crashed (%s) on a constraint of %d characters", field, e, len(key[1]))
+            error = GuidedDecodingError(field, f"the grammar engine crashed compiling it ({e}): the constraint is "
+                                               "too large or too deeply nested for it; simplify it")
+            if not e.deterministic:  # e.g. the OOM killer: not cached, it may be the load
+                raise error from None
+            return error
+        if isinstance(reply.get("error"), str):
+            reported = reply.get("field")
+            return GuidedDecodingError(reported if isinstance(reported, str) and reported else field, reply["error"])
+        grammar, build_s = reply.get("grammar"), reply.get("build_s")
+        if not isinstance(grammar, str) or not isinstance(build_s, (int, float)):
+            raise RuntimeError(f"guided decoding: a compile worker sent an unexpected reply: {str(reply)[:200]}")
+        if build_s >= deadline - time.monotonic():  # building it here would overrun the limit
+            raise self._timeout(field)
+        return self._build_here(build_constraint, (self.lltokenizer, grammar, kind, field, self.limits, self._executor),
+                                field, deadline)
+
+    def _build_here(self, fn, args, field: str, deadline: float):
+        future = _builders().submit(fn, *args)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:  # not cached: the time depends on load; the build finishes on its own
+            raise self._timeout(field) from None
+
+    def _timeout(self, field: str) -> GuidedDecodingError:
+        return GuidedDecodingError(field, f"compiling the constraint took longer than {self.compile_timeout_s:g} s; "
+                                          "simplify it")
+
+
+def _convert_and_build(lltokenizer, gd, limits, executor) -> CompiledConstraint | GuidedDecodingError:
+    """The whole compile in one call (what a worker does, and what runs here without workers)."""
+    try:
+        field, grammar = grammar_source(gd)
+    except GuidedDecodingError as e:
+        return e
+    return build_constraint(lltokenizer, grammar, gd.kinds()[0], field, limits, executor)

@@ -40,6 +40,22 @@ def check_depth(schema: Any, field: str) -> None:
         raise ValueError(f"{field}: the schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are supported")
 
 
+def json_format_options(whitespace_pattern: str | None) -> dict:
+    """llguidance's `x-guidance` options for the whitespace between JSON tokens.
+
+    None (the default) is the layout of Python's `json.dumps`, `{"a": 1, "b": [1, 2]}`: one
+    space after `:` and `,`, nothing else. Every model has seen it, and it cannot run on: with
+    llguidance's own default (any whitespace, unbounded) a small model can spend its whole token
+    budget on newlines. "" is no whitespace at all; any other value is the regex whitespace runs
+    must match.
+    """
+    if whitespace_pattern is None:
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    if whitespace_pattern == "":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    return {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+
+
 def strict_schema(schema: dict) -> dict:
     """A copy of `schema` with OpenAI strict semantics: every object subschema that does not say
     otherwise gets `"additionalProperties": false`, so the output has no keys beyond `properties`.

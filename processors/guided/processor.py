@@ -19,12 +19,20 @@ rows to -inf in one `paddle.where`; unconstrained rows are untouched.
 
 Ending: while the grammar is complete the mask admits EOS (the request may stop there); once it
 cannot continue, EOS is the only token left, so the request finishes with "stop" — unless
-`max_tokens` comes first ("length"). A token the matcher rejects (another processor or a sampling
-option overrode the mask) fails only that request, with the matcher's message.
+`max_tokens` comes first ("length"). A request never ends with text its constraint rejects: a token
+the matcher rejects (another processor or a sampling option overrode the mask), forced tokens it
+cannot take, a matcher that enters an error state (llguidance's lexer or parser limits, hit while
+consuming or while filling the mask) and a mask that allows nothing but EOS while the grammar is
+not complete each fail only that request (finish reason "error", the matcher's message) — from
+`update_state` when found there, else from `apply`, which masks every row in place first and then
+raises `RequestFailures`, so the failed request is not sampled and the others are still masked.
+
+Compiling (`compiler.py`, `sandbox.py`) happens at admission, in a compile-worker process first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,8 +43,8 @@ import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from ..base import LogitsProcessor, RequestFailures
-from .compiler import CompiledConstraint, GrammarCompiler
-from .tokenizer import build_lltokenizer
+from .compiler import CompiledConstraint, GrammarCompiler, clean_error, dead_end
+from .tokenizer import build_lltokenizer, lltokenizer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +71,31 @@ class _SlotMatcher:
                 self.matcher.rollback(len(self.ahead))
                 self.ahead.clear()
             if not self.matcher.consume_token(token):
-                return f"guided decoding: generated token does not fit the constraint: {self.matcher.get_error()}"
+                return f"guided decoding: generated token does not fit the constraint: {self.error()}"
         return None
 
-    def publish_forced(self, forced: list[int]) -> None:
+    def publish_forced(self, forced: list[int]) -> str | None:
         """Append the tokens the grammar forces next to `forced` (share_inputs["forced_tokens"][slot])
-        and consume them now, as the engine's contract asks; they come back through `output_ids`."""
+        and consume them now, as the engine's contract asks; they come back through `output_ids`.
+        An error message if the matcher cannot take them (it hit one of llguidance's limits)."""
         if self.ahead or self.matcher.is_stopped():
-            return
+            return None
         tokens = self.matcher.compute_ff_tokens()
-        if tokens and self.matcher.consume_tokens(tokens):
+        if tokens:
+            if not self.matcher.consume_tokens(tokens):
+                return f"guided decoding: the grammar engine failed on the forced tokens: {self.error()}"
             self.ahead.extend(tokens)
             forced.extend(tokens)
+        return None
+
+    def error(self) -> str:
+        return clean_error(self.matcher.get_error()) or "unknown error"
 
 
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
     def __init__(self, fd_config):
         super().__init__(fd_config)
+        self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
         tokenizer = fd_config.tokenizer
         if tokenizer is None:
             from fastdeploy_lp.tokenizer import Tokenizer
@@ -89,19 +105,29 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
         self.vocab_size = max(fd_config.model_config.vocab_size, tokenizer.vocab_size)
-        self.compiler = GrammarCompiler(build_lltokenizer(tokenizer, self.vocab_size, eos))
+        self.eos_token_ids = eos
+        self.compiler = GrammarCompiler(build_lltokenizer(tokenizer, self.vocab_size, eos),
+                                        tokenizer_spec=lltokenizer_spec(tokenizer, self.vocab_size, eos))
         self._slots: list[_SlotMatcher | None] = [None] * fd_config.max_num_seqs
         self._bitmask = allocate_token_bitmask(fd_config.max_num_seqs, self.vocab_size)
         self._executor = llg.LLExecutor()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="guided-mask")
         self._fill: Future | None = None
         self._rows: list[int] = []  # logits rows with a mask this step (bitmask row j <-> self._rows[j])
+        self._row_slots: list[int] = []  # ... and their slots
+        self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
 
     # -- admission ------------------------------------------------------------------------------
     def validate_request(self, params) -> None:
         """Compile the request's constraint (cached); a bad one raises ValueError naming the field."""
         if params.guided_decoding is not None:
-            params.extra[COMPILED] = self.compiler.compile(params.guided_decoding)
+            params.extra[COMPILED] = self.compiler.compile(self._with_server_defaults(params.guided_decoding))
+
+    def _with_server_defaults(self, gd):
+        """The server's JSON whitespace rule (`--guided-whitespace-pattern`) where the request sets none."""
+        if gd.whitespace_pattern is None and self.whitespace_pattern is not None:
+            return dataclasses.replace(gd, whitespace_pattern=self.whitespace_pattern)
+        return gd
 
     @classmethod
     def declared_keys(cls) -> frozenset[str]:
@@ -116,7 +142,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     # -- each step ------------------------------------------------------------------------------
     def update_state(self, share_inputs: dict) -> None:
         self._join()
-        self._rows = []
+        self._rows, self._row_slots, self._row_matchers = [], [], []
         slots = np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool))
         live = set(slots.tolist())
         for s in range(len(self._slots)):
@@ -129,16 +155,20 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if state is None:
                 continue
             error = state.advance()
+            if error is None and forced is not None:
+                error = state.publish_forced(forced[slot])
+            if error is None and state.matcher.is_error():
+                error = f"guided decoding: the grammar engine failed: {state.error()}"
             if error is not None:
                 failures[slot] = error
                 self._slots[slot] = None
                 continue
-            if forced is not None:
-                state.publish_forced(forced[slot])
             work.append((state.matcher, len(self._rows)))
             self._rows.append(row)
+            self._row_slots.append(slot)
+            self._row_matchers.append(state.matcher)
         if failures:
-            self._rows = []
+            self._rows, self._row_slots, self._row_matchers = [], [], []
             raise RequestFailures(failures)
         if work:
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
@@ -148,16 +178,38 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             return logits
         self._join()
         rows, width = len(self._rows), logits.shape[-1]
+        failures = self._dead_rows(self._bitmask[:rows])
         allowed = np.unpackbits(self._bitmask[:rows].view(np.uint8), axis=1, bitorder="little")[:, :width]
         if allowed.shape[1] < width:  # logits wider than the vocabulary we know: the rest is never allowed
             allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
         mask = paddle.to_tensor(allowed.astype(bool), place=logits.place)
         banned = paddle.full([1], float("-inf"), dtype=logits.dtype)
         if rows == logits.shape[0]:
-            return paddle.where(mask, logits, banned)
-        index = paddle.to_tensor(self._rows, dtype="int64", place=logits.place)
-        part = paddle.where(mask, paddle.index_select(logits, index), banned)
-        return paddle.scatter(logits, index, part, overwrite=True)
+            masked = paddle.where(mask, logits, banned)
+        else:
+            index = paddle.to_tensor(self._rows, dtype="int64", place=logits.place)
+            part = paddle.where(mask, paddle.index_select(logits, index), banned)
+            masked = paddle.scatter(logits, index, part, overwrite=True)
+        if failures:  # every row is masked in place, then only the dead requests fail (they are not sampled)
+            paddle.assign(masked, output=logits)
+            raise RequestFailures(failures)
+        return masked
+
+    def _dead_rows(self, bits: np.ndarray) -> dict[int, str]:
+        """{slot: message} for rows whose matcher erred while filling its mask, or whose mask allows
+        nothing but EOS although the constraint is not complete."""
+        words = bits.view(np.uint32).copy()
+        for eos in self.eos_token_ids:
+            if eos < 32 * words.shape[1]:
+                words[:, eos >> 5] &= ~np.uint32(1 << (eos & 31))
+        only_eos = ~words.any(axis=1)
+        failures = {}
+        for j, matcher in enumerate(self._row_matchers):
+            if only_eos[j] or matcher.is_error():
+                problem = dead_end(matcher, bits[j], self.eos_token_ids)
+                if problem:
+                    failures[self._row_slots[j]] = f"guided decoding: the grammar engine failed: {problem}"
+        return failures
 
     # -- helpers --------------------------------------------------------------------------------
     def _slot(self, slot: int, share_inputs: dict) -> _SlotMatcher | None:
@@ -171,7 +223,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if params is not None and params.guided_decoding is not None:
             compiled: CompiledConstraint | None = params.extra.get(COMPILED)
             if compiled is None:  # admitted without validate_request: compile now (cached)
-                compiled = params.extra[COMPILED] = self.compiler.compile(params.guided_decoding)
+                compiled = params.extra[COMPILED] = self.compiler.compile(
+                    self._with_server_defaults(params.guided_decoding))
             state = _SlotMatcher(compiled.new_matcher(), output_ids)
         self._slots[slot] = state
         return state
