@@ -278,6 +278,9 @@ class FDConfig:
     # A processor whose update_state + apply take longer than this in one step fails the requests
     # that enabled it (the step itself runs to the end: Python cannot preempt it). None: no limit.
     logits_processor_timeout_s: float | None = 2.0
+    # Whitespace between JSON tokens in constrained output when a request sets none: None is
+    # `json.dumps`' layout (`{"a": 1}`), "" none at all, anything else a regex (docs/guided_decoding.md).
+    guided_whitespace_pattern: str | None = None
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts

@@ -19,6 +19,9 @@ INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
 
 
+_JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties")
+
+
 @dataclass
 class GuidedDecodingParams:
     """One output constraint; exactly one field is set."""
@@ -29,7 +32,10 @@ class GuidedDecodingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: dict | str | None = None
+    # JSON options: the whitespace allowed between tokens (None: the server's default, "": none),
+    # and objects closed to keys their schema does not list (vLLM's disable_additional_properties).
     whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
     def __post_init__(self):
         kinds = self.kinds()
@@ -40,7 +46,7 @@ class GuidedDecodingParams:
             raise ValueError("guided_choice: must be a non-empty list of strings")
 
     def kinds(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name != "whitespace_pattern"
+        return [f.name for f in fields(self) if f.name not in _JSON_OPTIONS
                 and getattr(self, f.name) not in (None, False)]
 
 

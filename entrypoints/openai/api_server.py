@@ -41,7 +41,7 @@ from .errors import OpenAIError, bad_request, from_error_dicts, from_validation_
 from .metrics import ServerMetrics
 from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestTooLarge, too_large
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelList)
+                       ErrorResponse, ModelCard, ModelList)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import ClientDisconnected
@@ -128,13 +128,23 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1")
 
+    started = int(time.time())
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "fastdeploy_lp",
+                "root": settings.model_path, "max_model_len": engine.fd_config.max_model_len}
+
     @v1.get("/models", response_model=ModelList)
     async def list_models():
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "fastdeploy_lp",
-             "root": settings.model_path, "max_model_len": engine.fd_config.max_model_len}
-            for name in settings.served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    @v1.get("/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def retrieve_model(model: str):
+        """One served model, as OpenAI's `GET /v1/models/{model}` (ids may contain '/')."""
+        if model not in settings.served_model_names:
+            raise OpenAIError(404, f"model: {model!r} is not served here; served: "
+                                   f"{', '.join(settings.served_model_names)}", param="model", code="model_not_found")
+        return model_card(model)
 
     @v1.get("/logits_processors")
     async def list_logits_processors():
@@ -299,6 +309,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
                                 guided_decoding_backend=args.guided_decoding_backend,
                                 logits_processor_timeout_s=args.logits_processor_timeout or None)
     fd_config.custom_guided_decoding_backends = custom
+    fd_config.guided_whitespace_pattern = args.guided_whitespace_pattern
     fd_config.tool_functions = load_tool_functions(args.tool_functions)
     return LLMEngine(fd_config)
 

@@ -69,6 +69,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(constrained requests then get a 400), or the name of a custom backend loaded "
                             "with --custom-guided-decoding-backends. Requests may pick another with "
                             "nvext.guided_decoding_backend or guided_decoding_backend.")
+    model.add_argument("--guided-whitespace-pattern", default=None, metavar="REGEX",
+                       help="Whitespace allowed between JSON tokens in constrained output when a request sets "
+                            "none: a regex, or '' for none. Default: json.dumps' layout ({\"a\": 1, \"b\": 2}), "
+                            "which cannot run on as newlines.")
     model.add_argument("--custom-guided-decoding-backends", default=None, metavar="DIR",
                        help="Directory of custom backends, one DIR/NAME/backend.py each (NVIDIA NIM's "
                             "layout; wheels beside it are installed offline into a private directory). "

@@ -24,10 +24,6 @@ from ...sampling_params import GuidedDecodingParams, SamplingParams
 _REQUEST = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 _NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "structural_tag")
-
-
 # -- pieces ---------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     model_config = _NESTED
@@ -116,10 +112,34 @@ class ResponseFormat(BaseModel):
 
 
 class NvExt(BaseModel):
-    """NVIDIA NIM's extension object; other keys are passed to custom backends untouched."""
+    """NVIDIA NIM's extension object: its constraint fields, as NIM documents them; other keys are
+    passed to custom backends untouched."""
 
     model_config = _NESTED
     guided_decoding_backend: str | None = None
+    guided_json: dict[str, Any] | str | bool | None = Field(None, description="A JSON schema (object or string).")
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = Field(None, description="EBNF (GBNF `root ::= ...`) or Lark grammar.")
+    guided_whitespace_pattern: str | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object (vLLM >= 0.10, where the `guided_*` fields were removed).
+    Unknown keys are a 400: each names a constraint option, and none is silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF (GBNF) or Lark grammar.")
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    whitespace_pattern: str | None = Field(None, description="Regex of the whitespace allowed between JSON tokens.")
+    disable_any_whitespace: bool | None = Field(None, description="JSON without any whitespace between tokens.")
+    disable_additional_properties: bool | None = Field(
+        None, description="Objects without `additionalProperties` get `false` (no extra keys).")
+    disable_fallback: bool | None = Field(None, description="Accepted: there is no fallback backend to disable.")
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -165,7 +185,8 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = Field(None, description="EBNF (GBNF `root ::= ...`) or Lark grammar.")
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_pattern: str | None = None
-    # custom guided-decoding backends (NVIDIA NIM's form, or top-level)
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's current constraint form.")
+    # custom guided-decoding backends and constraints in NVIDIA NIM's form
     nvext: NvExt | None = None
     guided_decoding_backend: str | None = Field(
         None, description="A backend loaded with --custom-guided-decoding-backends, or 'llguidance'.")
@@ -204,55 +225,91 @@ class _SamplingRequest(BaseModel):
 
     def constraint_field(self) -> str:
         """The field that carries this request's output constraint (for error messages)."""
-        return next((f for f in GUIDED_FIELDS if getattr(self, f) is not None), "response_format")
+        sources = self._constraint_sources()
+        return sources[0][0] if sources else "response_format"
+
+    def whitespace_field(self) -> str:
+        """The field that set the JSON whitespace rule (for error messages)."""
+        return self._whitespace()[0] or "guided_whitespace_pattern"
 
     def guided_decoding(self, tool_constraint: GuidedDecodingParams | None = None) -> GuidedDecodingParams | None:
         """The one output constraint this request asks for, or None. Raises ValueError("field: ...").
 
-        `tool_constraint` is the constraint its tools imply (chat); it excludes the other forms.
+        Every form is read: OpenAI's `response_format`, the `guided_*` fields (vLLM < 0.10,
+        TensorRT-LLM), NVIDIA NIM's `nvext.guided_*`, and vLLM's `structured_outputs`. Naming two is
+        a 400, and so is a whitespace rule without a JSON constraint. `tool_constraint` is the
+        constraint the request's tools imply (chat); it excludes the other forms.
         """
-        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None
-                 and not (f == "response_format" and self.response_format.type == "text")]
-        if tool_constraint is not None and given:
-            raise ValueError(f"{given[0]}: cannot be combined with tools (a tool call is itself an output "
+        sources = self._constraint_sources()
+        if tool_constraint is not None and sources:
+            raise ValueError(f"{sources[0][0]}: cannot be combined with tools (a tool call is itself an output "
                              "constraint); send one or the other")
-        if len(given) > 1:
-            raise ValueError(f"{given[1]}: only one output constraint per request; got {', '.join(given)}")
-        if tool_constraint is not None:
-            guided, kwargs = tool_constraint, None
-        elif not given:
-            guided, kwargs = None, None
-        else:
-            kwargs = self._constraint(given[0])
-        ws = self.guided_whitespace_pattern
-        if kwargs is not None:
-            if ws is not None:
-                kwargs["whitespace_pattern"] = ws
-            return GuidedDecodingParams(**kwargs)
-        if ws is not None:
+        if len(sources) > 1:
+            raise ValueError(f"{sources[1][0]}: only one output constraint per request; got "
+                             f"{', '.join(f for f, _ in sources)}")
+        guided = tool_constraint if tool_constraint is not None else (
+            GuidedDecodingParams(**sources[0][1]) if sources else None)
+        ws_field, ws = self._whitespace()
+        if ws_field is not None:
             if guided is None or not set(guided.kinds()) & {"json", "json_object", "structural_tag"}:
-                raise ValueError("guided_whitespace_pattern: only applies together with a JSON constraint, "
-                                 "a structural tag, or tools")
+                raise ValueError(f"{ws_field}: only applies together with a JSON constraint, a structural tag, "
+                                 "or tools")
             guided.whitespace_pattern = ws
+        so = self.structured_outputs
+        if so is not None and so.disable_additional_properties:
+            if guided is None or guided.kinds() != ["json"]:
+                raise ValueError("structured_outputs.disable_additional_properties: only applies to a JSON schema")
+            guided.disable_additional_properties = True
         return guided
 
-    def _constraint(self, field: str) -> dict[str, Any]:
-        if field == "response_format":
-            kwargs = _response_format_constraint(self.response_format)
-        elif field == "guided_json":
-            kwargs = {"json": _json_value("guided_json", self.guided_json)}
-        elif field == "guided_regex":
-            kwargs = {"regex": self.guided_regex}
-        elif field == "guided_choice":
-            kwargs = {"choice": self.guided_choice}
-        elif field == "guided_grammar":
-            kwargs = {"grammar": self.guided_grammar}
-        else:
-            kwargs = {"structural_tag": _json_value("structural_tag", self.structural_tag, want=dict)}
-        if self.guided_whitespace_pattern is not None and not kwargs.keys() & {"json", "json_object", "structural_tag"}:
-            raise ValueError(f"guided_whitespace_pattern: only applies together with a JSON constraint, "
-                             f"a structural tag, or tools, not with {field}")
-        return kwargs
+    def _constraint_sources(self) -> list[tuple[str, dict[str, Any]]]:
+        """(request field, GuidedDecodingParams kwargs) of every constraint the request names."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            found.append(("response_format", _response_format_constraint(rf)))
+        for prefix, holder in (("", self), ("nvext.", self.nvext)):
+            if holder is None:
+                continue
+            if holder.guided_json is not None:
+                found.append((prefix + "guided_json", {"json": _json_value(prefix + "guided_json", holder.guided_json)}))
+            for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                if getattr(holder, name) is not None:
+                    found.append((prefix + name, {kind: getattr(holder, name)}))
+        if self.structural_tag is not None:
+            found.append(("structural_tag", {"structural_tag": _json_value("structural_tag", self.structural_tag,
+                                                                             want=dict)}))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar), ("structural_tag", so.structural_tag)):
+                if value is None:
+                    continue
+                field = f"structured_outputs.{kind}"
+                if kind == "json":
+                    value = _json_value(field, value)
+                elif kind == "structural_tag":
+                    value = _json_value(field, value, want=dict)
+                found.append((field, {kind: value}))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", {"json_object": True}))
+        return found
+
+    def _whitespace(self) -> tuple[str | None, str | None]:
+        """(field, JSON whitespace regex) the request sets; "" means no whitespace at all."""
+        nv = self.nvext.guided_whitespace_pattern if self.nvext is not None else None
+        given = [(f, v) for f, v in (("guided_whitespace_pattern", self.guided_whitespace_pattern),
+                                     ("nvext.guided_whitespace_pattern", nv)) if v is not None]
+        so = self.structured_outputs
+        if so is not None:
+            if so.whitespace_pattern is not None:
+                given.append(("structured_outputs.whitespace_pattern", so.whitespace_pattern))
+            if so.disable_any_whitespace:
+                given.append(("structured_outputs.disable_any_whitespace", ""))
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]}: only one JSON whitespace rule per request; got "
+                             f"{', '.join(f for f, _ in given)}")
+        return given[0] if given else (None, None)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any], guided: GuidedDecodingParams | None) -> SamplingParams:

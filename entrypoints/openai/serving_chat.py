@@ -43,7 +43,8 @@ class OpenAIServingChat(OpenAIServing):
             await self.use_custom_backend(backend, req, params)
         if params.logprobs is not None:
             await self.warm_token_table()
-        renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field())
+        renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field(),
+                                      req.whitespace_field())
         renames.update({"prompt": "messages", "max_tokens": max_field})
         stream = await self.submit(prompt_ids, params, renames=renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -37,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
-                renames = self.guided_renames(req.constraint_field())
+                renames = self.guided_renames(req.constraint_field(), req.whitespace_field())
                 if len(prompts) > 1:
                     renames["prompt"] = f"prompt[{k}]"
                 prompt_params = params

@@ -94,9 +94,12 @@ class OpenAIServing:
         return await backend.constrained_generator(response, raw)
 
     @staticmethod
-    def guided_renames(field: str) -> dict[str, str]:
-        """Name grammar errors after the field the request used (`response_format`, `tools`)."""
-        return {name: field for name in GUIDED_FIELD_NAMES.values() if name != field}
+    def guided_renames(field: str, whitespace_field: str = "guided_whitespace_pattern") -> dict[str, str]:
+        """Name grammar errors after the fields the request used (`response_format`, `tools`,
+        `nvext.guided_json`, `structured_outputs.whitespace_pattern`, ...)."""
+        renames = {name: field for name in GUIDED_FIELD_NAMES.values() if name != field}
+        renames["guided_whitespace_pattern"] = whitespace_field
+        return renames
 
     async def warm_token_table(self) -> None:
         """Build the id → bytes table (for logprobs) off the event loop on first use."""

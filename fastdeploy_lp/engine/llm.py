@@ -35,6 +35,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
                  dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
                  tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
+                 guided_whitespace_pattern: str | None = None,
                  engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
                  **unsupported: Any):
         if unsupported:
@@ -46,6 +47,7 @@ class LLM:
                                          guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
                                          logits_processor_timeout_s=logits_processor_timeout_s)
         self.fd_config.tool_functions = load_tool_functions(tool_functions)
+        self.fd_config.guided_whitespace_pattern = guided_whitespace_pattern
         self.engine = LLMEngine(self.fd_config)
         self.tokenizer = self.engine.tokenizer
 
