@@ -225,3 +225,9 @@ def test_forced_tokens_the_matcher_cannot_take_fail_the_request(llm):
                                                 guided_decoding=GuidedDecodingParams(regex="(Paris|London)")),
                        use_tqdm=False)[0]
     assert out.outputs.text in ("Paris", "London")  # the engine goes on
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}])
+def test_a_ref_loop_with_no_way_out_says_so(compiler, schema):
+    message, _ = _refused(compiler, GuidedDecodingParams(json=schema), "guided_json")
+    assert "no output can ever satisfy it" in message, message
