@@ -201,3 +201,23 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(default_llm)
     assert kept.token_ids == skipped.token_ids == [special]
     assert kept.text == tok.decode([special], skip_special_tokens=False) != ""
     assert skipped.text == ""
+
+
+# -- outputs cost O(new tokens) per step ------------------------------------------------------------
+def test_step_outputs_do_not_copy_the_history(default_llm):
+    """Each step's output views the request's lists instead of copying them, and the text is
+    joined only when read; the final output still carries everything."""
+    engine = default_llm.engine
+    (rid,) = engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                                    logprobs=1))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    request_lists = outputs[-1].outputs.token_ids._items
+    assert all(o.outputs.token_ids._items is request_lists for o in outputs)  # one list, viewed
+    assert [len(o.outputs.token_ids) for o in outputs] == list(range(1, 31))
+    assert outputs[3].outputs.token_ids == request_lists[:4]
+    assert outputs[-1].outputs.logprobs[-2:] == list(outputs[-1].outputs.logprobs)[-2:]
+    assert "".join(o.outputs.delta_text for o in outputs) == outputs[-1].outputs.text
+    assert outputs[-1].outputs.text == default_llm.tokenizer.decode(outputs[-1].outputs.token_ids)
+    assert outputs[5].outputs.text == "".join(o.outputs.delta_text for o in outputs[:6])

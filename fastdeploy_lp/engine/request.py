@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import numpy as np
 
@@ -28,18 +30,63 @@ class Logprob:
     top: dict[int, float]  # the `logprobs` most likely alternatives, token id -> logprob
 
 
-@dataclass
-class CompletionOutput:
-    """FastDeploy's shape: `request_output.outputs.text`."""
+class PrefixView(Sequence):
+    """The first `n` items of an append-only list, without copying them: what an output reports
+    of a request's tokens and logprobs, so emitting it each step costs O(1), not O(length)."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[Logprob] | None = None
-    error: str | None = None
-    delta_text: str = ""            # text produced since the previous output of this request
-    delta_token_ids: list[int] = field(default_factory=list)
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            return self._items[start:stop:step]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("index out of range")
+        return self._items[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return repr(self._items[:self._n])
+
+
+class CompletionOutput:
+    """FastDeploy's shape: `request_output.outputs.text`.
+
+    `token_ids` and `logprobs` are read-only views of everything generated up to this output; `text`
+    is joined when read. `delta_text` / `delta_token_ids` are what this output adds.
+    """
+
+    def __init__(self, index: int, text: str | Callable[[], str], token_ids: Sequence[int],
+                 finish_reason: str | None, logprobs: Sequence[Logprob] | None = None, error: str | None = None,
+                 delta_text: str = "", delta_token_ids: list[int] | None = None):
+        self.index = index
+        self._text = text
+        self.token_ids = token_ids
+        self.finish_reason = finish_reason
+        self.logprobs = logprobs
+        self.error = error
+        self.delta_text = delta_text
+        self.delta_token_ids = delta_token_ids if delta_token_ids is not None else []
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r}, error={self.error!r})")
 
 
 @dataclass
@@ -97,12 +144,14 @@ class Request:
     def to_output(self) -> RequestOutput:
         new_ids = self.output_ids[self._reported_tokens:]
         self._reported_tokens = len(self.output_ids)
-        delta = self.detokenizer.take_delta(final=self.finished)
+        detokenizer = self.detokenizer
+        delta = detokenizer.take_delta(final=self.finished)
+        released = detokenizer.released_length
         out = CompletionOutput(
-            index=self.index, text=self.detokenizer.released_text,
-            token_ids=list(self.output_ids),
+            index=self.index, text=lambda: detokenizer.released_text[:released],
+            token_ids=PrefixView(self.output_ids),
             finish_reason=self.finish_reason.value if self.finish_reason else None,
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            logprobs=PrefixView(self.logprobs) if self.params.logprobs is not None else None,
             error=self.error, delta_text=delta, delta_token_ids=new_ids)
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:

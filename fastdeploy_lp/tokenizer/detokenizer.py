@@ -14,6 +14,13 @@ _CONTEXT = 6  # prompt tokens kept as left context so the first output piece dec
 
 
 class IncrementalDetokenizer:
+    """Text of one request's output, released as it becomes certain.
+
+    Each step costs the new token's work, not the output's length: released text is kept as
+    pieces (joined only when read), and stop strings are searched in the unreleased tail, which
+    always holds the last `len(longest stop) - 1` characters.
+    """
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -24,8 +31,10 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""          # all text decoded so far (stop string cut off once found)
-        self._emitted = 0       # characters of `text` already handed out
+        self._released: list[str] = []   # text handed out, in pieces
+        self._released_len = 0
+        self._joined = ""                 # cache of "".join(self._released)
+        self._pending = ""                # decoded text not handed out yet
         self.stopped_on: str | None = None
 
     def add(self, token_id: int) -> None:
@@ -51,25 +60,39 @@ class IncrementalDetokenizer:
 
     def _release(self, new: str) -> None:
         self._prefix, self._read = self._read, len(self._ids)
-        start = max(0, len(self.text) - self._hold)
-        self.text += new
-        for s in self.stop:
-            at = self.text.find(s, start)
-            if at >= 0 and (self.stopped_on is None or at < self._stop_at):
-                self.stopped_on, self._stop_at = s, at
         if self.stopped_on is not None:
-            end = self._stop_at + (len(self.stopped_on) if self.include_stop else 0)
-            self.text = self.text[:end]
+            return
+        start = max(0, len(self._pending) - self._hold)
+        self._pending += new
+        found = [(at, s) for s in self.stop if (at := self._pending.find(s, start)) >= 0]
+        if found:
+            at, self.stopped_on = min(found)
+            self._pending = self._pending[:at + (len(self.stopped_on) if self.include_stop else 0)]
+
+    @property
+    def text(self) -> str:
+        """All text decoded so far (the stop string cut off once found)."""
+        return self.released_text + self._pending
 
     @property
     def released_text(self) -> str:
-        return self.text[:self._emitted]
+        if len(self._joined) != self._released_len:
+            self._joined = "".join(self._released)
+            self._released = [self._joined]
+        return self._joined
+
+    @property
+    def released_length(self) -> int:
+        return self._released_len
 
     def take_delta(self, final: bool) -> str:
         """Text not handed out yet. While running, keep back a tail that could start a stop string."""
         if final:
             self.finish()
-        end = len(self.text) if final or self.stopped_on is not None else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+        keep = 0 if final or self.stopped_on is not None else self._hold
+        cut = max(0, len(self._pending) - keep)
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
+        if delta:
+            self._released.append(delta)
+            self._released_len += len(delta)
         return delta
