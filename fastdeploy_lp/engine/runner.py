@@ -7,6 +7,7 @@ back as one `[active_slots, vocab]` tensor in increasing slot order (the row con
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import paddle
 
 from ..config import FDConfig
 from ..model import AttentionBatch, SequenceGroup, load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,9 +30,47 @@ def use_device(fd_config: FDConfig) -> None:
     """Put Paddle on the configured device; every tensor the engine and processors make lands there."""
     paddle.set_device(fd_config.device)
     if fd_config.device.startswith("cpu"):
+        tune_cpu_math()
         # Paddle pins CPU math to one thread (it sets OMP_NUM_THREADS=1 on import), while decode GEMVs
         # run ~2x faster on two cores.
         paddle.base.core.set_num_threads(fd_config.cpu_threads or len(os.sched_getaffinity(0)))
+
+
+MKL_CPU_TYPE = "MKL_DEBUG_CPU_TYPE"
+_cpu_math_logged = False
+
+
+def tune_cpu_math() -> str:
+    """Let the MKL bundled with Paddle's CPU wheel use its AVX2 kernels on AMD CPUs.
+
+    On a non-Intel CPU that MKL takes a generic code path: float32 GEMM ran at ~75 GFLOP/s on these
+    AMD EPYC machines against ~180 with `MKL_DEBUG_CPU_TYPE=5`, which MKL reads at its first call
+    (setting it in-process works as long as no matmul ran before). A value the user set is left
+    alone. Returns the path taken, logged once per process.
+    """
+    global _cpu_math_logged
+    if os.environ.get(MKL_CPU_TYPE) is not None:
+        path = f"{MKL_CPU_TYPE}={os.environ[MKL_CPU_TYPE]} as set by the user"
+    elif cpu_vendor() == "AuthenticAMD":
+        os.environ[MKL_CPU_TYPE] = "5"
+        path = f"AMD CPU: {MKL_CPU_TYPE}=5, MKL's AVX2 kernels"
+    else:
+        path = f"{cpu_vendor() or 'unknown'} CPU: MKL's own dispatch"
+    if not _cpu_math_logged:
+        _cpu_math_logged = True
+        logger.info("CPU math: %s", path)
+    return path
+
+
+def cpu_vendor() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 class ModelRunner:
