@@ -210,8 +210,10 @@ def test_required_tool_form_rejects_plain_text_and_stop_after_first_ends_the_out
     required = GuidedDecodingParams(structural_tag={"type": "structural_tag", "format": {
         **TAGS["format"], "at_least_one": True, "stop_after_first": True}})
     assert not _accepts(guide, required, "just text")
+    # xgrammar's at_least_one: the output starts with a tag, no free text before it
+    assert not _accepts(guide, required, 'hi <function=get_date>{"tz": "UTC"}</function>', complete=False)
     m = guide.compiler.compile(required).new_matcher()
-    assert m.consume_tokens(_fixture_tokenizer().encode('hi <function=get_date>{"tz":"UTC"}</function>'))
+    assert m.consume_tokens(_fixture_tokenizer().encode('<function=get_date>{"tz": "UTC"}</function>'))
     assert m.is_stopped()  # nothing may follow: only EOS is left
     assert _allowed(m, guide.vocab_size).tolist() == guide.fd_config.model_config.eos_token_ids
 
