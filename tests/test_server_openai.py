@@ -283,7 +283,8 @@ def test_tool_calls_come_back_as_openai_tool_calls(server, client, tool_choice):
     assert json.loads(call.function.arguments)["city"] in ("Paris", "London")
     streamed = list(client.chat.completions.create(stream=True, **kwargs))
     deltas = [tc for c in streamed if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas][:1] == \
-        [(0, "get_weather", call.function.arguments)]
-    assert len(deltas) == len(choice.message.tool_calls)
+    headers = [d for d in deltas if d.id]  # OpenAI's shape: a header per call, then argument pieces
+    assert [(d.index, d.function.name, d.function.arguments) for d in headers][:1] == [(0, "get_weather", "")]
+    assert "".join(d.function.arguments for d in deltas if d.index == 0 and not d.id) == call.function.arguments
+    assert len(headers) >= len(choice.message.tool_calls)  # a call cut by max_tokens was streamed, not returned
     assert streamed[-1].choices[0].finish_reason == choice.finish_reason

@@ -397,8 +397,13 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = Field(False, description="Return the log probability of each output token.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
     tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; the tool-call format decides.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'auto' (the default with tools): text or calls; 'required': one or more calls only; "
+                          "{'type': 'function', 'function': {'name': X}}: exactly one call of X; 'none': no call "
+                          "(the call syntax cannot be generated). Enforced by the output grammar.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="Whether one answer may hold several tool calls (default true, as in OpenAI); false "
+                          "allows at most one. Enforced by the output grammar.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking).")
     add_generation_prompt: bool | None = Field(True, description="End the prompt with the assistant turn's header.")

@@ -1,15 +1,25 @@
 """POST /v1/chat/completions: render the chat template, generate, answer as JSON or SSE chunks.
 
-With `tools` (and `tool_choice` other than "none") the output is constrained and parsed by the
-guided-decoding module's `tool_call_constraint` / `parse_tool_calls`; a parsed call comes back as
-OpenAI `tool_calls` with `finish_reason: "tool_calls"`. While tools are active a streamed answer
-is buffered and sent at the end (content delta, then the tool_calls delta), because a call can
-only be recognised once its text is complete.
+With `tools` the output is constrained by the guided-decoding module's `tool_call_constraint`
+(`tool_choice` and `parallel_tool_calls` decide the grammar; "none" makes the call syntax
+impossible) and, unless `tool_choice` is "none", read by its `ToolCallParser`: the grammar's own
+structure (`<function=NAME>`, one JSON value, `</function>`), so a parsed call's arguments are the
+JSON the grammar let through. A complete call comes back as OpenAI `tool_calls`, with
+`finish_reason: "tool_calls"` when the output ended on its own; a call cut by `max_tokens` is not
+in `tool_calls` (`finish_reason: "length"`).
+
+Streamed, a choice with tools follows OpenAI's shape as the text is generated: content deltas for
+the text before a call (holding back only what could still become `<function=`, and whitespace
+until more text follows), then per call `{"tool_calls": [{"index": k, "id", "type": "function",
+"function": {"name", "arguments": ""}}]}` once its name is complete and
+`{"tool_calls": [{"index": k, "function": {"arguments": piece}}]}` as its arguments are
+generated; the pieces join to the final arguments.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -22,16 +32,16 @@ from .protocol import ChatCompletionRequest
 from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error, engine_error_event,
                              final_outputs, sse, usage, value_errors_as_400)
 
-from ...processors.guided.tool_calls import parse_tool_calls, tool_call_constraint
+from ...processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
         self.check_model(req.model)
         backend = self.custom_backend(req)
-        tools_active = bool(req.tools) and req.tool_choice != "none"
+        tools_active = bool(req.tools) and req.tool_choice != "none"  # calls are read from the output
         with value_errors_as_400():
-            tool_guided = self._tool_constraint(req) if tools_active and backend is None else None
+            tool_guided = self._tool_constraint(req) if req.tools and backend is None else None
             guided = req.guided_decoding(tool_guided)
             if backend is None:
                 self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
@@ -49,10 +59,14 @@ class OpenAIServingChat(OpenAIServing):
         stream = await self.submit(prompt_ids, params, renames=renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prefix = _echo_prefix(req)
-        parse = parse_tool_calls if tools_active else None
+        reader = None
+        if tools_active:  # how calls are read: only the tools' names, and one call when parallel is off
+            reader = {"names": [t.function.name for t in req.tools],
+                      "max_calls": 1 if req.parallel_tool_calls is False else None}
+        parse = functools.partial(parse_tool_calls, **reader) if reader else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, stream, params.n, prefix, parse, include_usage, req.logprobs)
+            body = self._stream(request_id, stream, params.n, prefix, reader, include_usage, req.logprobs)
             return SSEResponse(await self.finish_with_backend(backend, body, raw), [stream], headers=headers)
         finals = (await final_outputs([stream], raw))[0]
         response = await self.finish_with_backend(backend, self._response(request_id, finals, prefix, parse), raw)
@@ -80,7 +94,12 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()
-        constraint = tool_call_constraint(req.tools_for_template(), choice)
+        if choice == "none":
+            if not self.guided_available or req.guided_decoding() is not None:
+                return None  # the request's own constraint (or, with guided decoding off, none) decides
+            return tool_call_constraint(req.tools_for_template(), "none")
+        constraint = tool_call_constraint(req.tools_for_template(), choice,
+                                          parallel=req.parallel_tool_calls is not False)
         if constraint is not None and not self.guided_available and choice == "auto":
             return None  # the model may still answer in the tool-call format; it is parsed either way
         return constraint
@@ -107,7 +126,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     # -- streaming ------------------------------------------------------------------------------
-    async def _stream(self, request_id: str, stream: RequestStream, n: int, prefix: str, parse,
+    async def _stream(self, request_id: str, stream: RequestStream, n: int, prefix: str, reader: dict | None,
                       include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.model_name
@@ -122,21 +141,37 @@ class OpenAIServingChat(OpenAIServing):
                 data["usage"] = None
             return sse(data)
 
+        parsers = [ToolCallParser(**reader) for _ in range(n)] if reader is not None else None
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
-            if prefix and parse is None:
+            if prefix and parsers is None:
                 yield chunk(i, {"content": prefix})
-        buffered = [prefix] * n
+            elif prefix:
+                for delta in _tool_deltas(parsers[i].feed(prefix)):
+                    yield chunk(i, delta)
         sent_logprobs = [0] * n
         prompt_tokens, completion = 0, [0] * n
+
+        def new_logprobs(o):
+            if not want_logprobs or o.logprobs is None or len(o.logprobs) <= sent_logprobs[o.index]:
+                return None
+            logprobs = self.chat_logprobs(o.logprobs[sent_logprobs[o.index]:])
+            sent_logprobs[o.index] = len(o.logprobs)
+            return logprobs
+
         try:
             async for out in stream:
                 o = out.outputs
                 i = o.index
                 prompt_tokens = len(out.prompt_token_ids)
                 completion[i] = len(o.token_ids)
-                if parse is not None:  # tools: keep everything until the end
-                    buffered[i] += o.delta_text
+                ending = out.finished and o.finish_reason != "abort"
+                if parsers is not None:  # tools: content and calls as the parser reads them
+                    events = parsers[i].feed(o.delta_text)
+                    if ending:
+                        events += parsers[i].finish()
+                    for delta in _tool_deltas(events):
+                        yield chunk(i, delta, logprobs=new_logprobs(o))  # logprobs ride on the next delta sent
                 else:
                     logprobs = None
                     if want_logprobs and o.logprobs is not None:
@@ -144,17 +179,12 @@ class OpenAIServingChat(OpenAIServing):
                         sent_logprobs[i] = len(o.logprobs)
                     if o.delta_text or (logprobs and logprobs["content"]):
                         yield chunk(i, {"content": o.delta_text}, logprobs=logprobs)
-                if not out.finished or o.finish_reason == "abort":
+                if not ending:
                     continue
                 finish = o.finish_reason
-                if parse is not None:
-                    content, tool_calls, finish = _split_tool_calls(buffered[i], finish, parse)
-                    logprobs = self.chat_logprobs(o.logprobs) if want_logprobs and o.logprobs is not None else None
-                    if content or logprobs:
-                        yield chunk(i, {"content": content or ""}, logprobs=logprobs)
-                    if tool_calls:
-                        yield chunk(i, {"tool_calls": [dict(c, index=k) for k, c in enumerate(tool_calls)]})
-                yield chunk(i, {}, finish_reason=finish, error=choice_error(o))
+                if parsers is not None and finish == "stop" and parsers[i].all_calls_complete:
+                    finish = "tool_calls"
+                yield chunk(i, {}, finish_reason=finish, logprobs=new_logprobs(o), error=choice_error(o))
         except Exception as e:  # the engine stopped under us: tell the client, then end the stream
             yield engine_error_event(e)
             yield SSE_DONE
@@ -172,13 +202,32 @@ def _echo_prefix(req: ChatCompletionRequest) -> str:
     return ""
 
 
+def _tool_deltas(events: list[tuple]) -> list[dict]:
+    """OpenAI stream deltas for `ToolCallParser` events (an "end" event needs none)."""
+    deltas = []
+    for event in events:
+        kind = event[0]
+        if kind == "content":
+            deltas.append({"content": event[1]})
+        elif kind == "call":
+            deltas.append({"tool_calls": [{"index": event[1], "id": _call_id(), "type": "function",
+                                           "function": {"name": event[2], "arguments": ""}}]})
+        elif kind == "arguments":
+            deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+    return deltas
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _split_tool_calls(text: str, finish: str | None, parse) -> tuple[str | None, list[dict] | None, str | None]:
     """(content, OpenAI tool_calls or None, finish_reason) of one finished choice."""
     if parse is None or finish in ("error", "abort"):
         return text, None, finish
-    content, calls = parse(text)
+    content, calls = parse(text)  # content: the text outside complete calls, stripped as streamed
     if not calls:
-        return text, None, finish
-    tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        return content or "", None, finish
+    tool_calls = [{"id": _call_id(), "type": "function",
                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
     return content, tool_calls, "tool_calls" if finish == "stop" else finish
