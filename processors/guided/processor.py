@@ -13,9 +13,10 @@ matcher (one per slot, a copy of the compiled template made when the request joi
 the batch's bitmask fill on a worker thread (llguidance fills the rows in parallel without the
 GIL), so it runs while the model computes the logits. Tokens the grammar forces (`{"name": "` after
 `{` in a schema with one required key) are published in `share_inputs["forced_tokens"]`, which the
-engine appends without sampling — in one pass with fast-forward, one per step without, same output. `apply` joins it, unpacks the bits with
-numpy, uploads the `[constrained rows, vocab]` mask once and sets every disallowed logit of those
-rows to -inf in one `paddle.where`; unconstrained rows are untouched.
+engine appends without sampling — in one pass with fast-forward, one per step without, same output. `apply` joins it and sets every disallowed
+logit of the constrained rows to -inf, in place, in one masked fill (`bitmask.py`): off the CPU the
+packed bits (1 per token) are uploaded and expanded on the logits' device; on the CPU numpy unpacks
+them (faster there). Unconstrained rows are untouched.
 
 Ending: while the grammar is complete the mask admits EOS (the request may stop there); once it
 cannot continue, EOS is the only token left, so the request finishes with "stop" — unless
@@ -43,6 +44,7 @@ import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from ..base import LogitsProcessor, RequestFailures
+from .bitmask import mask_logits
 from .compiler import CompiledConstraint, GrammarCompiler, clean_error, dead_end
 from .tokenizer import build_lltokenizer, lltokenizer_spec
 
@@ -177,21 +179,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if not self._rows:
             return logits
         self._join()
-        rows, width = len(self._rows), logits.shape[-1]
-        failures = self._dead_rows(self._bitmask[:rows])
-        allowed = np.unpackbits(self._bitmask[:rows].view(np.uint8), axis=1, bitorder="little")[:, :width]
-        if allowed.shape[1] < width:  # logits wider than the vocabulary we know: the rest is never allowed
-            allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
-        mask = paddle.to_tensor(allowed.astype(bool), place=logits.place)
-        banned = paddle.full([1], float("-inf"), dtype=logits.dtype)
-        if rows == logits.shape[0]:
-            masked = paddle.where(mask, logits, banned)
-        else:
-            index = paddle.to_tensor(self._rows, dtype="int64", place=logits.place)
-            part = paddle.where(mask, paddle.index_select(logits, index), banned)
-            masked = paddle.scatter(logits, index, part, overwrite=True)
+        rows = len(self._rows)
+        bits = self._bitmask[:rows]
+        failures = self._dead_rows(bits)
+        # In place, on the logits' device: the packed bits are expanded there (numpy unpacks on CPU).
+        masked = mask_logits(logits, bits, None if rows == logits.shape[0] else self._rows)
         if failures:  # every row is masked in place, then only the dead requests fail (they are not sampled)
-            paddle.assign(masked, output=logits)
             raise RequestFailures(failures)
         return masked
 
