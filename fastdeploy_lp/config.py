@@ -281,6 +281,8 @@ class FDConfig:
     # Whitespace between JSON tokens in constrained output when a request sets none: None is
     # `json.dumps`' layout (`{"a": 1}`), "" none at all, anything else a regex (docs/guided_decoding.md).
     guided_whitespace_pattern: str | None = None
+    # "qwen3" / "deepseek_r1": <think> reasoning is returned apart and constraints start after it.
+    reasoning_parser: str | None = None
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts

@@ -310,6 +310,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
                                 logits_processor_timeout_s=args.logits_processor_timeout or None)
     fd_config.custom_guided_decoding_backends = custom
     fd_config.guided_whitespace_pattern = args.guided_whitespace_pattern
+    fd_config.reasoning_parser = args.reasoning_parser
     fd_config.tool_functions = load_tool_functions(args.tool_functions)
     return LLMEngine(fd_config)
 

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from ...config import default_model_path
+from ...reasoning import REASONING_PARSERS
 from ...processors.custom_backends import TRUST_ENV
 
 API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
@@ -73,6 +74,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Whitespace allowed between JSON tokens in constrained output when a request sets "
                             "none: a regex, or '' for none. Default: json.dumps' layout ({\"a\": 1, \"b\": 2}), "
                             "which cannot run on as newlines.")
+    model.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
+                       help="For reasoning models (qwen3, deepseek_r1): return the <think> part as "
+                            "reasoning_content, apart from content, and apply output constraints (JSON, "
+                            "tools) from the end of the reasoning.")
     model.add_argument("--custom-guided-decoding-backends", default=None, metavar="DIR",
                        help="Directory of custom backends, one DIR/NAME/backend.py each (NVIDIA NIM's "
                             "layout; wheels beside it are installed offline into a private directory). "

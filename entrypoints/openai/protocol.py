@@ -501,6 +501,7 @@ class ToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = Field(None, description="With --reasoning-parser: the model's <think> part.")
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 

@@ -33,9 +33,14 @@ from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
                              final_outputs, sse, usage, value_errors_as_400)
 
 from ...processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
+from ...reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reasoning = get_reasoning_parser(self.engine.engine.fd_config.reasoning_parser)
+
     async def create(self, req: ChatCompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
         self.check_model(req.model)
         backend = self.custom_backend(req)
@@ -48,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
             max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
                                          defaults=self.generation_defaults, guided=guided)
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+            prompt_ids, prompt_text = await asyncio.to_thread(self._prompt, req)
         if backend is not None:
             await self.use_custom_backend(backend, req, params)
         if params.logprobs is not None:
@@ -59,6 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = await self.submit(prompt_ids, params, renames=renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prefix = _echo_prefix(req)
+        thinking = self.reasoning.prompt_state(prompt_text) if self.reasoning is not None else None
         reader = None
         if tools_active:  # how calls are read: only the tools' names, and one call when parallel is off
             reader = {"names": [t.function.name for t in req.tools],
@@ -66,14 +72,16 @@ class OpenAIServingChat(OpenAIServing):
         parse = functools.partial(parse_tool_calls, **reader) if reader else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, stream, params.n, prefix, reader, include_usage, req.logprobs)
+            body = self._stream(request_id, stream, params.n, prefix, reader, include_usage, req.logprobs, thinking)
             return SSEResponse(await self.finish_with_backend(backend, body, raw), [stream], headers=headers)
         finals = (await final_outputs([stream], raw))[0]
-        response = await self.finish_with_backend(backend, self._response(request_id, finals, prefix, parse), raw)
+        response = await self.finish_with_backend(
+            backend, self._response(request_id, finals, prefix, parse, thinking), raw)
         return JSONResponse(response, headers=headers)
 
     # -- request → prompt -----------------------------------------------------------------------
-    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The rendered prompt's token ids and text."""
         messages = [m.for_template() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         for reserved in ("messages", "tools", "add_generation_prompt"):
@@ -90,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # a template may fail in any way on odd input (e.g. None + str)
             raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
         # The template already wrote any BOS it wants, as transformers does for chat prompts.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()
@@ -105,15 +113,19 @@ class OpenAIServingChat(OpenAIServing):
         return constraint
 
     # -- non-streaming --------------------------------------------------------------------------
-    def _response(self, request_id: str, finals: dict[int, Any], prefix: str, parse) -> dict:
+    def _response(self, request_id: str, finals: dict[int, Any], prefix: str, parse,
+                  thinking: ReasoningState | None) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index in sorted(finals):
             out = finals[index]
             o = out.outputs
             prompt_tokens = len(out.prompt_token_ids)
             completion_tokens += len(o.token_ids)
-            content, tool_calls, finish = _split_tool_calls(prefix + o.text, o.finish_reason, parse)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            text, message = prefix + o.text, {"role": "assistant"}
+            if thinking is not None:  # a reasoning parser is on: the answer is what follows the reasoning
+                message["reasoning_content"], text = self.reasoning.split(text, thinking)
+            content, tool_calls, finish = _split_tool_calls(text, o.finish_reason, parse)
+            message["content"] = content
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice = {"index": index, "message": message,
@@ -127,7 +139,8 @@ class OpenAIServingChat(OpenAIServing):
 
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self, request_id: str, stream: RequestStream, n: int, prefix: str, reader: dict | None,
-                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+                      include_usage: bool, want_logprobs: bool,
+                      thinking: ReasoningState | None) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.model_name
 
@@ -142,12 +155,19 @@ class OpenAIServingChat(OpenAIServing):
             return sse(data)
 
         parsers = [ToolCallParser(**reader) for _ in range(n)] if reader is not None else None
+        reasoning = [ReasoningStream(self.reasoning, thinking) for _ in range(n)] if thinking is not None else None
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
-            if prefix and parsers is None:
-                yield chunk(i, {"content": prefix})
-            elif prefix:
-                for delta in _tool_deltas(parsers[i].feed(prefix)):
+            if reasoning is not None and prefix:
+                thought, prefix_answer = reasoning[i].feed(prefix)
+                if thought:
+                    yield chunk(i, {"reasoning_content": thought})
+            else:
+                prefix_answer = prefix
+            if prefix_answer and parsers is None:
+                yield chunk(i, {"content": prefix_answer})
+            elif prefix_answer:
+                for delta in _tool_deltas(parsers[i].feed(prefix_answer)):
                     yield chunk(i, delta)
         sent_logprobs = [0] * n
         prompt_tokens, completion = 0, [0] * n
@@ -166,8 +186,13 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens = len(out.prompt_token_ids)
                 completion[i] = len(o.token_ids)
                 ending = out.finished and o.finish_reason != "abort"
+                answer = o.delta_text
+                if reasoning is not None:  # reasoning deltas first; the rest is the answer
+                    thought, answer = reasoning[i].feed(answer, final=ending)
+                    if thought:
+                        yield chunk(i, {"reasoning_content": thought}, logprobs=new_logprobs(o))
                 if parsers is not None:  # tools: content and calls as the parser reads them
-                    events = parsers[i].feed(o.delta_text)
+                    events = parsers[i].feed(answer)
                     if ending:
                         events += parsers[i].finish()
                     for delta in _tool_deltas(events):
@@ -177,8 +202,8 @@ class OpenAIServingChat(OpenAIServing):
                     if want_logprobs and o.logprobs is not None:
                         logprobs = self.chat_logprobs(o.logprobs[sent_logprobs[i]:])
                         sent_logprobs[i] = len(o.logprobs)
-                    if o.delta_text or (logprobs and logprobs["content"]):
-                        yield chunk(i, {"content": o.delta_text}, logprobs=logprobs)
+                    if answer or (logprobs and logprobs["content"]):
+                        yield chunk(i, {"content": answer}, logprobs=logprobs)
                 if not ending:
                     continue
                 finish = o.finish_reason

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from ..config import FDConfig
+from ..reasoning import get_reasoning_parser
 from ..processors.builtin.tool_execution import load_tool_functions
 from ..sampling_params import SamplingParams
 from .engine import LLMEngine
@@ -35,7 +36,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
                  dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
                  tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
-                 guided_whitespace_pattern: str | None = None,
+                 guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
                  engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
                  **unsupported: Any):
         if unsupported:
@@ -48,6 +49,8 @@ class LLM:
                                          logits_processor_timeout_s=logits_processor_timeout_s)
         self.fd_config.tool_functions = load_tool_functions(tool_functions)
         self.fd_config.guided_whitespace_pattern = guided_whitespace_pattern
+        get_reasoning_parser(reasoning_parser)  # an unknown name fails here, naming the choices
+        self.fd_config.reasoning_parser = reasoning_parser
         self.engine = LLMEngine(self.fd_config)
         self.tokenizer = self.engine.tokenizer
 

@@ -43,6 +43,7 @@ import numpy as np
 import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from ...reasoning import ReasoningState, get_reasoning_parser
 from ..base import LogitsProcessor, RequestFailures
 from .bitmask import mask_logits
 from .compiler import CompiledConstraint, GrammarCompiler, clean_error, dead_end
@@ -50,22 +51,77 @@ from .tokenizer import build_lltokenizer, lltokenizer_spec
 
 logger = logging.getLogger(__name__)
 
-COMPILED = "guided_decoding.compiled"  # key in SamplingParams.extra set at admission
+COMPILED = "guided_decoding.compiled"
+_PROMPT_TAIL = 64  # prompt tokens read to tell whether the output starts inside a reasoning block  # key in SamplingParams.extra set at admission
+
+
+class _ReasoningGate:
+    """Where a reasoning model's answer starts (engines with a reasoning parser).
+
+    Tokens before it are the model's own thinking: no mask, and the matcher does not see them. An
+    output that may open a reasoning block (`UNDECIDED`) gets, at its first step, the constraint's
+    tokens plus the first token of the start tag; picking the latter forces the rest of the tag. The
+    end tag is found in the bytes of the tokens, however the model split it into tokens.
+    """
+
+    def __init__(self, parser, state: ReasoningState, start_ids: list[int], token_bytes: list[bytes]):
+        self.state = state
+        self.start_first, self.forced_start = start_ids[0], start_ids[1:]
+        self._end = parser.end.encode()
+        self._token_bytes = token_bytes
+        self._tail = b""
+
+    def takes(self, token: int) -> tuple[bool, str | None]:
+        """(whether the token is part of the thinking, an error message)."""
+        if self.state == ReasoningState.ANSWER:
+            return False, None
+        if self.state == ReasoningState.UNDECIDED:
+            if token == self.start_first:
+                self.state = ReasoningState.REASONING
+                return True, None
+            self.state = ReasoningState.ANSWER
+            return False, None
+        self._tail += self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
+        at = self._tail.find(self._end)
+        if at < 0:
+            self._tail = self._tail[-(len(self._end) - 1):]
+            return True, None
+        self.state = ReasoningState.ANSWER
+        if self._tail[at + len(self._end):].strip():
+            return True, ("guided decoding: the end of the reasoning was generated merged with answer text, "
+                          "so the constraint cannot start at it")
+        return True, None
+
+    def take_forced_start(self) -> list[int]:
+        forced, self.forced_start = self.forced_start, []
+        return forced
 
 
 class _SlotMatcher:
     """One request's matcher and how far through the request's output it is."""
 
-    def __init__(self, matcher: llg.LLMatcher, output_ids: list[int]):
+    def __init__(self, matcher: llg.LLMatcher, output_ids: list[int], gate: _ReasoningGate | None = None):
         self.matcher = matcher
         self.output_ids = output_ids  # the request's live list: identifies the request in the slot
+        self.gate = gate
         self.consumed = 0  # output tokens accounted for
         self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
+
+    @property
+    def answering(self) -> bool:
+        """Whether the constraint applies now (always, without a reasoning parser)."""
+        return self.gate is None or self.gate.state == ReasoningState.ANSWER
 
     def advance(self) -> str | None:
         """Consume the tokens generated since the last call; an error message if one is rejected."""
         for token in self.output_ids[self.consumed:]:
             self.consumed += 1
+            if self.gate is not None:
+                thinking, error = self.gate.takes(token)
+                if error is not None:
+                    return error
+                if thinking:
+                    continue
             if self.ahead and self.ahead[0] == token:  # a forced token we published, now in the output
                 self.ahead.popleft()
                 continue
@@ -80,6 +136,10 @@ class _SlotMatcher:
         """Append the tokens the grammar forces next to `forced` (share_inputs["forced_tokens"][slot])
         and consume them now, as the engine's contract asks; they come back through `output_ids`.
         An error message if the matcher cannot take them (it hit one of llguidance's limits)."""
+        if not self.answering:  # nothing of the constraint yet; after an opened start tag, its rest
+            if self.gate.state == ReasoningState.REASONING:
+                forced.extend(self.gate.take_forced_start())
+            return None
         if self.ahead or self.matcher.is_stopped():
             return None
         tokens = self.matcher.compute_ff_tokens()
@@ -103,6 +163,10 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             from fastdeploy_lp.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(fd_config.model_config.model)
+        self.tokenizer = tokenizer
+        self.reasoning = get_reasoning_parser(getattr(fd_config, "reasoning_parser", None))
+        if self.reasoning is not None:
+            self._start_ids = tokenizer.encode(self.reasoning.start, add_special_tokens=False)
         eos = list(fd_config.model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
@@ -118,6 +182,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._rows: list[int] = []  # logits rows with a mask this step (bitmask row j <-> self._rows[j])
         self._row_slots: list[int] = []  # ... and their slots
         self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
+        self._row_extra: list[tuple[int, int]] = []  # (bitmask row, token) also allowed: a reasoning start
 
     # -- admission ------------------------------------------------------------------------------
     def validate_request(self, params) -> None:
@@ -144,7 +209,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     # -- each step ------------------------------------------------------------------------------
     def update_state(self, share_inputs: dict) -> None:
         self._join()
-        self._rows, self._row_slots, self._row_matchers = [], [], []
+        self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
         slots = np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool))
         live = set(slots.tolist())
         for s in range(len(self._slots)):
@@ -165,12 +230,16 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                 failures[slot] = error
                 self._slots[slot] = None
                 continue
+            if state.gate is not None and state.gate.state == ReasoningState.REASONING:
+                continue  # thinking: no mask
+            if state.gate is not None and state.gate.state == ReasoningState.UNDECIDED:
+                self._row_extra.append((len(self._rows), state.gate.start_first))
             work.append((state.matcher, len(self._rows)))
             self._rows.append(row)
             self._row_slots.append(slot)
             self._row_matchers.append(state.matcher)
         if failures:
-            self._rows, self._row_slots, self._row_matchers = [], [], []
+            self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
             raise RequestFailures(failures)
         if work:
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
@@ -181,6 +250,9 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._join()
         rows = len(self._rows)
         bits = self._bitmask[:rows]
+        words = bits.view(np.uint32)
+        for j, token in self._row_extra:  # an output that may still open its reasoning block
+            words[j, token >> 5] |= np.uint32(1 << (token & 31))
         failures = self._dead_rows(bits)
         # In place, on the logits' device: the packed bits are expanded there (numpy unpacks on CPU).
         masked = mask_logits(logits, bits, None if rows == logits.shape[0] else self._rows)
@@ -218,9 +290,17 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if compiled is None:  # admitted without validate_request: compile now (cached)
                 compiled = params.extra[COMPILED] = self.compiler.compile(
                     self._with_server_defaults(params.guided_decoding))
-            state = _SlotMatcher(compiled.new_matcher(), output_ids)
+            state = _SlotMatcher(compiled.new_matcher(), output_ids, self._reasoning_gate(share_inputs, slot))
         self._slots[slot] = state
         return state
+
+    def _reasoning_gate(self, share_inputs: dict, slot: int) -> _ReasoningGate | None:
+        """With a reasoning parser: where this request's output starts, read from its prompt's end."""
+        if self.reasoning is None:
+            return None
+        tail = self.tokenizer.decode(share_inputs["prompt_ids"][slot][-_PROMPT_TAIL:], skip_special_tokens=False)
+        return _ReasoningGate(self.reasoning, self.reasoning.prompt_state(tail), self._start_ids,
+                              self.tokenizer.token_bytes)
 
     def _join(self) -> None:
         if self._fill is not None:

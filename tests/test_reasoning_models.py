@@ -1,0 +1,114 @@
+"""Reasoning models: a thinking model thinks freely, then answers in schema; the server returns the
+thinking as reasoning_content. The fixture is the qwen3 checkpoint with a Qwen3-style template
+that writes <think> (open for DeepSeek-R1's style, closed and empty when thinking is off)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jsonschema
+import openai
+import pytest
+from conftest import fixture_dir
+
+from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.reasoning import REASONING_PARSERS
+from fastdeploy_lp.sampling_params import GuidedDecodingParams
+from server_harness import start_server
+
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% elif open_thinking is defined and open_thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer"],
+          "additionalProperties": False}
+PARSER = REASONING_PARSERS["qwen3"]
+MESSAGES = [{"role": "user", "content": "What is 6 times 7?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    for name in os.listdir(fixture_dir("qwen3")):
+        if not name.startswith("reference"):
+            shutil.copy(os.path.join(fixture_dir("qwen3"), name), path / name)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(thinking_model):
+    return LLM(thinking_model, max_num_seqs=4, device="cpu", reasoning_parser="qwen3",
+               logits_processors=["ThinkingBudgetLogitsProcessor"])
+
+
+def generate(llm, seed, budget=6, bias=None, **template):
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=80, logit_bias=bias,
+                            guided_decoding=GuidedDecodingParams(json=SCHEMA),
+                            logits_processors_args={"thinking_budget": budget})
+    prompt = llm.tokenizer.apply_chat_template(MESSAGES, **template)
+    out = llm.generate(llm.tokenizer.encode(prompt), params, use_tqdm=False)[0].outputs
+    return out, PARSER.split(out.text, PARSER.prompt_state(prompt))
+
+
+def test_open_thinking_is_free_then_the_answer_follows_the_schema(llm):
+    for seed in range(4):
+        out, (reasoning, answer) = generate(llm, seed, open_thinking=True)
+        assert out.finish_reason == "stop", out
+        assert "</think>" in out.text and reasoning is not None
+        jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_thinking_off_is_constrained_from_the_first_token(llm):
+    for seed in range(3):
+        out, (reasoning, answer) = generate(llm, seed, enable_thinking=False)
+        assert reasoning is None and out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_the_model_may_open_its_reasoning_or_answer_at_once(llm):
+    """With nothing in the prompt, the first step allows the constraint and the start of <think>."""
+    lt = llm.tokenizer.encode("<think>")[0]
+    opened, (reasoning, answer) = generate(llm, 1, bias={lt: 100})
+    assert opened.text.startswith("<think>") and reasoning is not None and opened.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer), SCHEMA)
+    direct, (reasoning, answer) = generate(llm, 1, bias={lt: -100})
+    assert reasoning is None and not direct.text.startswith("<")
+    jsonschema.validate(json.loads(direct.text), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def client(thinking_model):
+    server = start_server("--max-num-seqs", "4", "--reasoning-parser", "qwen3",
+                          "--logits-processors", "ThinkingBudgetLogitsProcessor", model=thinking_model)
+    yield openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+
+
+def test_server_returns_reasoning_content_apart_streamed_and_not(client):
+    kwargs = dict(model="default", messages=MESSAGES, temperature=1.0, max_tokens=80,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                  extra_body={"chat_template_kwargs": {"open_thinking": True},
+                              "logits_processors_args": {"thinking_budget": 6}})
+    for seed in range(3):
+        message = client.chat.completions.create(seed=seed, **kwargs).choices[0].message
+        assert message.reasoning_content is not None and "</think>" not in message.reasoning_content
+        jsonschema.validate(json.loads(message.content), SCHEMA)
+        chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        assert streamed_reasoning == message.reasoning_content
+        assert "".join(d.content or "" for d in deltas) == message.content
+
+
+def test_server_without_thinking_has_no_reasoning_content(client):
+    message = client.chat.completions.create(
+        model="default", messages=MESSAGES, temperature=1.0, seed=3, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert message.reasoning_content is None
+    jsonschema.validate(json.loads(message.content), SCHEMA)
