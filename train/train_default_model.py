@@ -227,7 +227,8 @@ class CausalTrainer:
             a = layer.self_attn
             kv, group, d = a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim
             h = self._rms(x, layer.input_layernorm.weight)
-            q, k, v = paddle.split(paddle.matmul(h, a.qkv_weight), [a.q_size, a.kv_size, a.kv_size], axis=-1)
+            q, k, v = paddle.split(paddle.matmul(h, a.qkv_weight, transpose_y=True),  # weights are [out, in]
+                                   [a.q_size, a.kv_size, a.kv_size], axis=-1)
             q = q.reshape([b, t, a.num_heads, d]).transpose([0, 2, 1, 3])
             k = k.reshape([b, t, kv, d]).transpose([0, 2, 1, 3])
             v = v.reshape([b, t, kv, d]).transpose([0, 2, 1, 3])
@@ -239,10 +240,10 @@ class CausalTrainer:
             probs = F.softmax(scores.reshape([b, kv, group, t, t]) + mask, axis=-1)
             out = paddle.matmul(probs.reshape([b, kv, group * t, t]), v)
             out = out.reshape([b, a.num_heads, t, d]).transpose([0, 2, 1, 3]).reshape([b, t, a.q_size])
-            x = x + paddle.matmul(out, a.o_weight)
+            x = x + paddle.matmul(out, a.o_weight, transpose_y=True)
             gate, up = paddle.split(paddle.matmul(self._rms(x, layer.post_attention_layernorm.weight),
-                                                  layer.mlp.gate_up_weight), 2, axis=-1)
-            x = x + paddle.matmul(F.swiglu(gate, up), layer.mlp.down_weight)
+                                                  layer.mlp.gate_up_weight, transpose_y=True), 2, axis=-1)
+            x = x + paddle.matmul(F.swiglu(gate, up), layer.mlp.down_weight, transpose_y=True)
         return self._rms(x, m.norm.weight)
 
     def loss(self, ids: np.ndarray, weights: np.ndarray) -> paddle.Tensor:

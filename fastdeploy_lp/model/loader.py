@@ -1,8 +1,8 @@
 """Hugging Face safetensors checkpoints in and out of `DecoderForCausalLM`.
 
 Reads one `model.safetensors` or the shards listed in `model.safetensors.index.json`, in float32,
-bfloat16 or float16, transposes `[out, in]` linear weights to Paddle's `[in, out]`, and fuses
-q/k/v and gate/up. `save_pretrained` does the reverse, so the project's own training script
+bfloat16 or float16, keeps linear weights in their `[out, in]` layout (`layers.linear` multiplies
+by the transpose), and fuses q/k/v and gate/up. `save_pretrained` does the reverse, so the project's own training script
 writes checkpoints that any Hugging Face tool reads.
 
 Loading is strict: the file must hold exactly the tensors the config implies (`expected_tensors`),
@@ -198,25 +198,21 @@ def load_model(config: ModelConfig, max_positions: int | None = None) -> Decoder
     def take(name: str) -> paddle.Tensor:
         return raw[aliases.get(name, name)].astype(config.dtype)
 
-    def linear(name: str) -> paddle.Tensor:  # HF [out, in] -> Paddle [in, out]
-        return take(name).T
 
     state = {"embed_tokens.weight": take(_EMBED), "norm.weight": take("model.norm.weight")}
     for i in range(config.num_hidden_layers):
         attn, mlp, p = _ATTN.format(i=i), _MLP.format(i=i), f"layers.{i}."
-        state[p + "self_attn.qkv_weight"] = paddle.concat(
-            [linear(attn + f"{x}_proj.weight") for x in "qkv"], axis=1)
+        state[p + "self_attn.qkv_weight"] = paddle.concat([take(attn + f"{x}_proj.weight") for x in "qkv"])
         if config.attention_bias:
             state[p + "self_attn.qkv_bias"] = paddle.concat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-        state[p + "self_attn.o_weight"] = linear(attn + "o_proj.weight")
+        state[p + "self_attn.o_weight"] = take(attn + "o_proj.weight")
         if config.o_proj_bias:
             state[p + "self_attn.o_bias"] = take(attn + "o_proj.bias")
         if config.qk_norm:
             state[p + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
             state[p + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
-        state[p + "mlp.gate_up_weight"] = paddle.concat(
-            [linear(mlp + "gate_proj.weight"), linear(mlp + "up_proj.weight")], axis=1)
-        state[p + "mlp.down_weight"] = linear(mlp + "down_proj.weight")
+        state[p + "mlp.gate_up_weight"] = paddle.concat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        state[p + "mlp.down_weight"] = take(mlp + "down_proj.weight")
         if config.mlp_bias:
             state[p + "mlp.gate_up_bias"] = paddle.concat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
             state[p + "mlp.down_bias"] = take(mlp + "down_proj.bias")
@@ -243,21 +239,21 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):
         attn, mlp, p = _ATTN.format(i=i), _MLP.format(i=i), f"layers.{i}."
-        wq, wk, wv = np.split(state[p + "self_attn.qkv_weight"], [q, q + kv], axis=1)
+        wq, wk, wv = np.split(state[p + "self_attn.qkv_weight"], [q, q + kv])
         for name, w in zip("qkv", (wq, wk, wv)):
-            out[attn + f"{name}_proj.weight"] = w.T
+            out[attn + f"{name}_proj.weight"] = w
         if cfg.attention_bias:
             for name, b in zip("qkv", np.split(state[p + "self_attn.qkv_bias"], [q, q + kv])):
                 out[attn + f"{name}_proj.bias"] = b
-        out[attn + "o_proj.weight"] = state[p + "self_attn.o_weight"].T
+        out[attn + "o_proj.weight"] = state[p + "self_attn.o_weight"]
         if cfg.o_proj_bias:
             out[attn + "o_proj.bias"] = state[p + "self_attn.o_bias"]
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = state[p + "self_attn.q_norm.weight"]
             out[attn + "k_norm.weight"] = state[p + "self_attn.k_norm.weight"]
-        gate, up = np.split(state[p + "mlp.gate_up_weight"], 2, axis=1)
-        out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate.T, up.T
-        out[mlp + "down_proj.weight"] = state[p + "mlp.down_weight"].T
+        gate, up = np.split(state[p + "mlp.gate_up_weight"], 2)
+        out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate, up
+        out[mlp + "down_proj.weight"] = state[p + "mlp.down_weight"]
         if cfg.mlp_bias:
             out[mlp + "gate_proj.bias"], out[mlp + "up_proj.bias"] = np.split(state[p + "mlp.gate_up_bias"], 2)
             out[mlp + "down_proj.bias"] = state[p + "mlp.down_bias"]
