@@ -1,7 +1,7 @@
 """Decode throughput and time to first token, fastdeploy_lp vs. `transformers`, same checkpoint, same run.
 
     python bench/make_bench_model.py            # once: the Qwen2.5-0.5B-shaped random checkpoint
-    python bench/throughput.py --batch-sizes 1 8 32 --prompt-len 128 --output-len 128
+    python bench/throughput.py --batch-sizes 1 8 32 --prompt-lens 128 512 --output-len 64
 
 For each batch size, all requests arrive together with random prompts of `--prompt-len` tokens
 and generate exactly `--output-len` tokens (EOS ignored, greedy). TTFT is measured per request
@@ -62,36 +62,97 @@ def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int
     return {"ttft_s": ttft, "decode_tok_s": len(prompts) * (output_len - 1) / max(total - ttft, 1e-9)}
 
 
+AIMS = {"decode": {1: 1.1, 8: 1.25, 32: 1.25}, "ttft": {8: 0.9, 32: 0.9}}  # ours/theirs; TTFT lower is better
+
+
+def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
+    """Achieved prefill GFLOP/s (linear layers and LM head) against Paddle's own GEMM rate on the
+    same shapes, measured warm in the same process."""
+    from fastdeploy_lp.engine.runner import SlotFeed
+
+    cfg = llm.engine.fd_config.model_config
+    h, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
+    tokens = seqs * prompt_len
+
+    def gemm_rate(k, n, reps=3):
+        import paddle
+
+        a, b = paddle.randn([tokens, k]), paddle.randn([n, k])
+        for _ in range(2):
+            paddle.matmul(a, b, transpose_y=True).numpy()
+        start = time.perf_counter()
+        for _ in range(reps):
+            c = paddle.matmul(a, b, transpose_y=True)
+        c.numpy()
+        return 2 * tokens * k * n * reps / (time.perf_counter() - start) / 1e9
+
+    rates = [gemm_rate(k, n) for k, n in shapes]
+    weights = [k * n for k, n in shapes]
+    gemm = sum(weights) / sum(w / r for w, r in zip(weights, rates))
+    rng = np.random.default_rng(1)
+    feeds = [SlotFeed(s, rng.integers(0, cfg.vocab_size - 3, prompt_len).tolist(), 0) for s in range(seqs)]
+    llm.engine.runner.forward(feeds[:1])
+    start = time.perf_counter()
+    llm.engine.runner.forward(feeds).numpy()
+    seconds = time.perf_counter() - start
+    flops = 2 * (tokens * cfg.num_hidden_layers * sum(weights) + seqs * h * cfg.vocab_size)
+    achieved = flops / seconds / 1e9
+    return {"seqs": seqs, "prompt_len": prompt_len, "seconds": seconds, "achieved_gflops": achieved,
+            "gemm_gflops": gemm, "efficiency": achieved / gemm}
+
+
+def verdict(kind: str, batch: int, ratio: float | None) -> str:
+    aim = AIMS[kind].get(batch)
+    if aim is None or ratio is None:
+        return ""
+    met = ratio >= aim if kind == "decode" else ratio <= aim
+    return f"{'met' if met else 'NOT MET'} ({'>=' if kind == 'decode' else '<='}{aim})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
     rng = np.random.default_rng(0)
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=args.prompt_len + args.output_len + 8)
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=max(args.prompt_lens) + args.output_len + 8)
     vocab = llm.tokenizer.vocab_size
     rows = []
-    for batch in args.batch_sizes:
-        prompts = [rng.integers(0, vocab - 3, args.prompt_len).tolist() for _ in range(batch)]
-        bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
-        ours = bench_fastdeploy(llm, prompts, args.output_len)
-        theirs = bench_transformers(args.model, prompts, args.output_len)
-        row = {"batch": batch, "fastdeploy_lp": ours, "transformers": theirs}
-        if theirs:
-            row["decode_speedup"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
-        rows.append(row)
+    for prompt_len in args.prompt_lens:
+        for batch in args.batch_sizes:
+            prompts = [rng.integers(0, vocab - 3, prompt_len).tolist() for _ in range(batch)]
+            bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
+            ours = bench_fastdeploy(llm, prompts, args.output_len)
+            theirs = bench_transformers(args.model, prompts, args.output_len)
+            row = {"prompt_len": prompt_len, "batch": batch, "fastdeploy_lp": ours, "transformers": theirs}
+            if theirs:
+                row["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+                row["ttft_ratio"] = ours["ttft_s"] / theirs["ttft_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    prefill = prefill_efficiency(llm, 8, max(args.prompt_lens))
 
-    print(f"{'batch':>5} | {'fdlp tok/s':>10} | {'fdlp TTFT s':>11} | {'hf tok/s':>8} | {'hf TTFT s':>9} | speedup")
+    print(f"\n{'prompt':>6} | {'batch':>5} | {'fdlp tok/s':>10} | {'fdlp TTFT s':>11} | {'hf tok/s':>8} | "
+          f"{'hf TTFT s':>9} | {'decode ratio':>12} | {'TTFT ratio':>10} | aims")
     for r in rows:
-        hf = r["transformers"] or {}
-        print(f"{r['batch']:>5} | {r['fastdeploy_lp']['decode_tok_s']:>10.1f} | {r['fastdeploy_lp']['ttft_s']:>11.3f} | "
+        hf, ours = r["transformers"] or {}, r["fastdeploy_lp"]
+        d, t = r.get("decode_ratio"), r.get("ttft_ratio")
+        aims = ", ".join(v for v in (verdict("decode", r["batch"], d) and f"decode {verdict('decode', r['batch'], d)}",
+                                     verdict("ttft", r["batch"], t) and f"TTFT {verdict('ttft', r['batch'], t)}") if v)
+        print(f"{r['prompt_len']:>6} | {r['batch']:>5} | {ours['decode_tok_s']:>10.1f} | {ours['ttft_s']:>11.3f} | "
               f"{hf.get('decode_tok_s', float('nan')):>8.1f} | {hf.get('ttft_s', float('nan')):>9.3f} | "
-              f"{r.get('decode_speedup', float('nan')):.2f}x")
-    result = {"model": args.model, "prompt_len": args.prompt_len, "output_len": args.output_len, "rows": rows}
+              f"{d if d is not None else float('nan'):>11.2f}x | {t if t is not None else float('nan'):>9.2f}x | {aims}")
+    print(f"prefill efficiency ({prefill['seqs']} x {prefill['prompt_len']} tokens): "
+          f"{prefill['achieved_gflops']:.0f} GFLOP/s achieved vs {prefill['gemm_gflops']:.0f} GFLOP/s Paddle GEMM "
+          f"on the same shapes = {prefill['efficiency']:.0%} (aim >= 85%: "
+          f"{'met' if prefill['efficiency'] >= 0.85 else 'NOT MET'})")
+    result = {"model": args.model, "output_len": args.output_len, "rows": rows, "prefill": prefill}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
