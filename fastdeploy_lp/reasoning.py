@@ -47,15 +47,9 @@ class ReasoningParser:
 
     def split(self, text: str, state: ReasoningState) -> tuple[str | None, str]:
         """(reasoning or None, answer) of a whole output that started in `state`."""
-        if state == ReasoningState.UNDECIDED:
-            stripped = text.lstrip()
-            if not stripped.startswith(self.start):
-                return None, text
-            text, state = stripped[len(self.start):], ReasoningState.REASONING
-        if state == ReasoningState.ANSWER:
-            return None, text
-        reasoning, found, answer = text.partition(self.end)
-        return reasoning.strip("\n"), answer.lstrip("\n") if found else ""
+        stream = ReasoningStream(self, state)
+        reasoning, answer = stream.feed(text, final=True)
+        return (reasoning if stream.reasoned else None), answer
 
 
 class ReasoningStream:
@@ -70,6 +64,7 @@ class ReasoningStream:
         self._pending = ""
         self._reasoning_started = False
         self._answer_started = state == ReasoningState.ANSWER  # only an answer after </think> is trimmed
+        self.reasoned = state == ReasoningState.REASONING  # whether the output had a reasoning part
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         text, self._pending = self._pending + delta, ""
@@ -77,6 +72,7 @@ class ReasoningStream:
             stripped = text.lstrip()
             if stripped.startswith(self.parser.start):
                 text, self.state = stripped[len(self.parser.start):], ReasoningState.REASONING
+                self.reasoned = True
             elif self.parser.start.startswith(stripped) and not final:
                 self._pending = text  # may still become the opening tag
                 return "", ""
@@ -88,9 +84,10 @@ class ReasoningStream:
             if found:
                 reasoning, text, self.state = self._reasoning(head.rstrip("\n")), tail, ReasoningState.ANSWER
             else:
-                keep = 0 if final else _partial_suffix(text, self.parser.end)
-                body = text[:len(text) - keep]
-                held = len(body) - len(body.rstrip("\n")) if not final else 0
+                if final:  # the reasoning never closed: it is all there is
+                    return self._reasoning(text.rstrip("\n")), ""
+                body = text[:len(text) - _partial_suffix(text, self.parser.end)]
+                held = len(body) - len(body.rstrip("\n"))
                 self._pending = text[len(body) - held:]
                 return self._reasoning(body[:len(body) - held]), ""
         if not self._answer_started:

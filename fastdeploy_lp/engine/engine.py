@@ -180,9 +180,7 @@ class LLMEngine:
                 self._decode(running, finished)
             except Exception as e:  # no row of this pass can be trusted; the engine itself goes on
                 logger.exception("forward pass failed; failing the %d requests in it", len(running))
-                for r in running:
-                    self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(e).__name__}: {e}")
-        self.sampler.flush_counts()
+                self._fail(running, e, finished)
         self.num_steps += 1
         return [r.to_output() for r in self._touched(running, finished)]
 
@@ -207,9 +205,12 @@ class LLMEngine:
         if not victims:  # it failed before any request ran: the waiting ones are what it was handling
             victims = list(self.scheduler.waiting)
             self.scheduler.waiting.clear()
-        for r in victims:
-            self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(error).__name__}: {error}")
+        self._fail(victims, error, finished)
         return [r.to_output() for r in finished]
+
+    def _fail(self, requests: list[Request], error: BaseException, finished: list[Request]) -> None:
+        for r in requests:
+            self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(error).__name__}: {error}")
 
     def _take_forced_tokens(self, finished: list[Request]) -> bool:
         """Collect tokens processors published as certain; with fast-forward, append them now.

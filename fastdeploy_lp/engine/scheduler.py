@@ -81,19 +81,15 @@ class SlotScheduler:
         rejected with the error and leaves the slot free; the others are unaffected.
         """
         admitted, rejected = [], []
-        for slot, occupant in enumerate(self.slots):
-            while occupant is None and self.waiting:
+        for slot in range(self.max_num_seqs):
+            while self.slots[slot] is None and self.waiting:
                 request = self.waiting.popleft()
                 try:
                     self._place(request, slot)
+                    admitted.append(request)
                 except Exception as e:
                     self.free(request)
                     rejected.append((request, e))
-                    continue
-                admitted.append(request)
-                break
-            if not self.waiting:
-                break
         return admitted, rejected
 
     def _place(self, request: Request, slot: int) -> None:
