@@ -37,7 +37,7 @@ from ...processors.builtin.tool_execution import load_tool_functions
 from ...processors.custom_backends import load_custom_backends
 from ...processors.registry import BUILTIN_PROCESSORS
 from .args import check_guided_decoding_backend, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
-from .errors import OpenAIError, bad_request, from_error_dicts, from_validation_error
+from .errors import RETRY_LATER, OpenAIError, bad_request, from_error_dicts, from_validation_error
 from .metrics import ServerMetrics
 from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestTooLarge, too_large
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)
-RETRY_AFTER_S = "1"
 
 
 @dataclass
@@ -103,7 +102,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         reason = not_serving_reason()
         if reason is not None:
             raise OpenAIError(503, f"not serving: {reason}", code="not_serving",
-                              headers={"Retry-After": RETRY_AFTER_S})
+                              headers=RETRY_LATER)
 
     def check_fields(body) -> dict[str, str]:
         unknown = body.unknown_fields()
@@ -207,7 +206,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(EngineNotServingError)
     async def engine_stopped(_, exc: EngineNotServingError):  # the engine stopped while we waited
         err = OpenAIError(503, f"not serving: {exc}", code="not_serving")
-        return JSONResponse(err.body(), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        return JSONResponse(err.body(), status_code=503, headers=RETRY_LATER)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_, exc: ClientDisconnected):

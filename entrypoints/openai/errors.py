@@ -11,6 +11,8 @@ import re
 
 from pydantic import ValidationError
 
+RETRY_LATER = {"Retry-After": "1"}  # with 429 and 503: the queue drains and restarts take seconds
+
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*$")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

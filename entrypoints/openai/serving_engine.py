@@ -18,7 +18,7 @@ from ...engine.request import Logprob, RequestOutput
 from ...processors.custom_backends import CustomBackend, prepare_request
 from ...processors.guided.compiler import FIELDS as GUIDED_FIELD_NAMES
 from ...sampling_params import GuidedDecodingParams, SamplingParams
-from .errors import OpenAIError, bad_request, from_value_error
+from .errors import RETRY_LATER, OpenAIError, bad_request, from_value_error
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,9 @@ class OpenAIServing:
             with value_errors_as_400(renames):
                 return await self.engine.add_request(prompt, params)
         except QueueFullError as e:
-            raise OpenAIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+            raise OpenAIError(429, str(e), code="queue_full", headers=RETRY_LATER) from None
         except EngineNotServingError as e:
-            raise OpenAIError(503, str(e), code="not_serving", headers={"Retry-After": "1"}) from None
+            raise OpenAIError(503, str(e), code="not_serving", headers=RETRY_LATER) from None
 
     # -- logprobs -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
