@@ -80,9 +80,7 @@ class GuidedDecodingError(ValueError):
 
 @dataclass(frozen=True)
 class CompiledConstraint:
-    kind: str
     template: llg.LLMatcher
-    compile_seconds: float
 
     def new_matcher(self) -> llg.LLMatcher:
         return self.template.deep_copy()
@@ -250,11 +248,10 @@ _ERROR_MEANINGS = {
 }
 
 
-def build_constraint(lltokenizer: llg.LLTokenizer, grammar: str, kind: str, field: str,
+def build_constraint(lltokenizer: llg.LLTokenizer, grammar: str, field: str,
                      limits: llg.LLParserLimits | None = None,
                      executor: llg.LLExecutor | None = None) -> CompiledConstraint | GuidedDecodingError:
     """Build the matcher for a grammar text and take its first steps; the error names `field`."""
-    start = time.perf_counter()
     try:
         matcher = llg.LLMatcher(lltokenizer, grammar, log_level=0, limits=limits)
         problem = _first_steps(matcher, lltokenizer, executor or llg.LLExecutor(1))
@@ -264,7 +261,7 @@ def build_constraint(lltokenizer: llg.LLTokenizer, grammar: str, kind: str, fiel
         return GuidedDecodingError(field, problem)
     for warning in matcher.get_grammar_warnings():
         logger.info("%s: %s", field, warning)
-    return CompiledConstraint(kind, matcher, time.perf_counter() - start)
+    return CompiledConstraint(matcher)
 
 
 def _first_steps(matcher: llg.LLMatcher, lltokenizer: llg.LLTokenizer, executor: llg.LLExecutor) -> str | None:
@@ -306,14 +303,30 @@ def dead_end(matcher: llg.LLMatcher, row_bits: np.ndarray, eos_tokens) -> str | 
     with text the constraint rejects)."""
     if matcher.is_error():
         return clean_error(matcher.get_error())
-    words = row_bits.view(np.uint32).copy()
-    for eos in eos_tokens:
-        if eos < 32 * len(words):
-            words[eos >> 5] &= ~np.uint32(1 << (eos & 31))
-    if words.any() or matcher.is_accepting():
+    if allows_other_than(row_bits, eos_tokens) or matcher.is_accepting():
         return None
     reason = matcher.stop_reason() if matcher.is_stopped() else "no token can continue it"
     return f"the constraint is incomplete but allows no further token ({reason})"
+
+
+def allows_other_than(bits: np.ndarray, tokens) -> np.ndarray:
+    """Whether each row of a packed bitmask (int32 `[..., words]`) allows a token not in `tokens`
+    (the EOS ids): one bool per row. The bits of `tokens` are cleared in place while it looks and
+    then put back, so the mask is not copied (it runs on the batch's mask every decode step)."""
+    words = bits.view(np.uint32)
+    clear: dict[int, int] = {}  # word -> the bits of `tokens` in it
+    for token in tokens:
+        if 0 <= token < 32 * words.shape[-1]:
+            clear[token >> 5] = clear.get(token >> 5, 0) | (1 << (token & 31))
+    if not clear:
+        return words.any(axis=-1)
+    columns = np.fromiter(clear, dtype=np.intp, count=len(clear))
+    saved = words[..., columns]  # a copy of those few words
+    words[..., columns] = saved & ~np.asarray(list(clear.values()), dtype=np.uint32)
+    try:
+        return words.any(axis=-1)
+    finally:
+        words[..., columns] = saved
 
 
 class _BigStackThreads:
@@ -435,7 +448,6 @@ class GrammarCompiler:
 
     def _compile(self, gd, key: tuple, field: str, deadline: float) -> CompiledConstraint | GuidedDecodingError:
         """The result to cache (a constraint or the error it deserves); raises what must not be cached."""
-        kind = key[0]
         if self.sandbox is None:
             return self._build_here(_convert_and_build, (self.lltokenizer, gd, self.limits, self._executor),
                                     field, deadline)
@@ -463,7 +475,7 @@ class GrammarCompiler:
             raise RuntimeError(f"guided decoding: a compile worker sent an unexpected reply: {str(reply)[:200]}")
         if build_s >= deadline - time.monotonic():  # building it here would overrun the limit
             raise self._timeout(field)
-        return self._build_here(build_constraint, (self.lltokenizer, grammar, kind, field, self.limits, self._executor),
+        return self._build_here(build_constraint, (self.lltokenizer, grammar, field, self.limits, self._executor),
                                 field, deadline)
 
     def _build_here(self, fn, args, field: str, deadline: float):
@@ -484,4 +496,4 @@ def _convert_and_build(lltokenizer, gd, limits, executor) -> CompiledConstraint 
         field, grammar = grammar_source(gd)
     except GuidedDecodingError as e:
         return e
-    return build_constraint(lltokenizer, grammar, gd.kinds()[0], field, limits, executor)
+    return build_constraint(lltokenizer, grammar, field, limits, executor)

@@ -13,10 +13,10 @@ matcher (one per slot, a copy of the compiled template made when the request joi
 the batch's bitmask fill on a worker thread (llguidance fills the rows in parallel without the
 GIL), so it runs while the model computes the logits. Tokens the grammar forces (`{"name": "` after
 `{` in a schema with one required key) are published in `share_inputs["forced_tokens"]`, which the
-engine appends without sampling — in one pass with fast-forward, one per step without, same output. `apply` joins it and sets every disallowed
-logit of the constrained rows to -inf, in place, in one masked fill (`bitmask.py`): off the CPU the
-packed bits (1 per token) are uploaded and expanded on the logits' device; on the CPU numpy unpacks
-them (faster there). Unconstrained rows are untouched.
+engine appends without sampling — in one pass with fast-forward, one per step without, same output.
+`apply` joins it and sets every disallowed logit of the constrained rows to -inf, in place, in one
+masked fill (`bitmask.py`): off the CPU the packed bits (1 per token) are uploaded and expanded on
+the logits' device; on the CPU numpy unpacks them (faster there). Unconstrained rows are untouched.
 
 Ending: while the grammar is complete the mask admits EOS (the request may stop there); once it
 cannot continue, EOS is the only token left, so the request finishes with "stop" — unless
@@ -46,13 +46,13 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from ...reasoning import ReasoningState, get_reasoning_parser
 from ..base import LogitsProcessor, RequestFailures
 from .bitmask import mask_logits
-from .compiler import CompiledConstraint, GrammarCompiler, clean_error, dead_end
+from .compiler import CompiledConstraint, GrammarCompiler, allows_other_than, clean_error, dead_end
 from .tokenizer import build_lltokenizer, lltokenizer_spec
 
 logger = logging.getLogger(__name__)
 
-COMPILED = "guided_decoding.compiled"
-_PROMPT_TAIL = 64  # prompt tokens read to tell whether the output starts inside a reasoning block  # key in SamplingParams.extra set at admission
+COMPILED = "guided_decoding.compiled"  # key in SamplingParams.extra set at admission
+_PROMPT_TAIL = 64  # prompt tokens read to tell whether the output starts inside a reasoning block
 
 
 class _ReasoningGate:
@@ -111,6 +111,16 @@ class _SlotMatcher:
     def answering(self) -> bool:
         """Whether the constraint applies now (always, without a reasoning parser)."""
         return self.gate is None or self.gate.state == ReasoningState.ANSWER
+
+    def step(self, forced: list[int] | None) -> str | None:
+        """One decode step: `advance`, then `publish_forced` (when the engine takes forced tokens);
+        an error message if either fails or the matcher is left in an error state."""
+        error = self.advance()
+        if error is None and forced is not None:
+            error = self.publish_forced(forced)
+        if error is None and self.matcher.is_error():
+            error = f"guided decoding: the grammar engine failed: {self.error()}"
+        return error
 
     def advance(self) -> str | None:
         """Consume the tokens generated since the last call; an error message if one is rejected."""
@@ -209,40 +219,41 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     # -- each step ------------------------------------------------------------------------------
     def update_state(self, share_inputs: dict) -> None:
         self._join()
-        self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
-        slots = np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool))
-        live = set(slots.tolist())
+        self._clear_rows()
+        slots = np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool)).tolist()
+        live = set(slots)
         for s in range(len(self._slots)):
             if s not in live:
                 self._slots[s] = None
-        failures, work = {}, []
+        failures = {}
         forced = share_inputs.get("forced_tokens")  # the engine appends them (at once with fast-forward)
-        for row, slot in enumerate(slots.tolist()):
+        for row, slot in enumerate(slots):
             state = self._slot(slot, share_inputs)
             if state is None:
                 continue
-            error = state.advance()
-            if error is None and forced is not None:
-                error = state.publish_forced(forced[slot])
-            if error is None and state.matcher.is_error():
-                error = f"guided decoding: the grammar engine failed: {state.error()}"
+            error = state.step(None if forced is None else forced[slot])
             if error is not None:
                 failures[slot] = error
                 self._slots[slot] = None
-                continue
-            if state.gate is not None and state.gate.state == ReasoningState.REASONING:
-                continue  # thinking: no mask
-            if state.gate is not None and state.gate.state == ReasoningState.UNDECIDED:
-                self._row_extra.append((len(self._rows), state.gate.start_first))
-            work.append((state.matcher, len(self._rows)))
-            self._rows.append(row)
-            self._row_slots.append(slot)
-            self._row_matchers.append(state.matcher)
+            elif state.gate is None or state.gate.state != ReasoningState.REASONING:  # thinking: no mask
+                self._add_row(row, slot, state)
         if failures:
-            self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
+            self._clear_rows()
             raise RequestFailures(failures)
-        if work:
+        if self._rows:
+            work = [(matcher, j) for j, matcher in enumerate(self._row_matchers)]  # bitmask row j
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
+
+    def _add_row(self, row: int, slot: int, state: _SlotMatcher) -> None:
+        """Logits row `row` (slot `slot`) gets a mask this step, from bitmask row `len(self._rows)`."""
+        if state.gate is not None and state.gate.state == ReasoningState.UNDECIDED:
+            self._row_extra.append((len(self._rows), state.gate.start_first))
+        self._rows.append(row)
+        self._row_slots.append(slot)
+        self._row_matchers.append(state.matcher)
+
+    def _clear_rows(self) -> None:
+        self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
 
     def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
         if not self._rows:
@@ -263,14 +274,10 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     def _dead_rows(self, bits: np.ndarray) -> dict[int, str]:
         """{slot: message} for rows whose matcher erred while filling its mask, or whose mask allows
         nothing but EOS although the constraint is not complete."""
-        words = bits.view(np.uint32).copy()
-        for eos in self.eos_token_ids:
-            if eos < 32 * words.shape[1]:
-                words[:, eos >> 5] &= ~np.uint32(1 << (eos & 31))
-        only_eos = ~words.any(axis=1)
+        more_than_eos = allows_other_than(bits, self.eos_token_ids)
         failures = {}
         for j, matcher in enumerate(self._row_matchers):
-            if only_eos[j] or matcher.is_error():
+            if not more_than_eos[j] or matcher.is_error():
                 problem = dead_end(matcher, bits[j], self.eos_token_ids)
                 if problem:
                     failures[self._row_slots[j]] = f"guided decoding: the grammar engine failed: {problem}"

@@ -146,17 +146,20 @@ class _Worker:
             return SandboxCrashed(f"the compile worker was killed by {name}", -code in _NATIVE_FAULTS)
         return SandboxCrashed(f"the compile worker exited with status {code}", False)
 
+    def close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
     def kill(self) -> None:
         """SIGKILL and reap (no zombie is left)."""
         try:
             self.proc.kill()
         except OSError:
             pass
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        self.close_pipes()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignored
@@ -197,7 +200,7 @@ class CompileSandbox:
         self._start_error: str | None = None
         self._failed_at = float("-inf")
         self.closed = False
-        self.started = self.crashed = self.killed = 0  # counters, for /metrics-style inspection and tests
+        self.crashed = self.killed = 0  # counters, for /metrics-style inspection and tests
         self._finalizer = weakref.finalize(self, _stop_all, self._live)
         _POOLS.add(self)
         with self._cond:
@@ -205,7 +208,7 @@ class CompileSandbox:
 
     # -- the server's side ----------------------------------------------------------------------
     def run(self, request: dict, deadline: float) -> dict:
-        """Compile `request` in a worker: its reply (`{"grammar", "convert_s", "build_s"}` or
+        """Compile `request` in a worker: its reply (`{"grammar", "build_s"}` or
         `{"field", "error"}`). Raises SandboxTimeout, SandboxCrashed or SandboxUnavailable."""
         payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         while True:
@@ -264,11 +267,7 @@ class CompileSandbox:
     def _forget_workers(self) -> None:
         """In a child forked from this process: the workers are the parent's; neither use nor kill them."""
         for worker in self._live:
-            for pipe in (worker.proc.stdin, worker.proc.stdout):
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+            worker.close_pipes()
         self._live.clear()
         self._idle.clear()
         self._starting = 0
@@ -331,7 +330,6 @@ class CompileSandbox:
                 self._starting -= 1
             if error is None and not self.closed:
                 self._idle.append(worker)
-                self.started += 1
                 self._start_error = None
             else:
                 self._live.discard(worker)
@@ -434,7 +432,7 @@ def _serve(requests, replies, init: dict) -> None:
     except Exception as e:
         _write_reply(replies, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         return
-    _write_reply(replies, {"ready": True, "pid": os.getpid()})
+    _write_reply(replies, {"ready": True})
     while (request := _read_request(requests)) is not None:
         _write_reply(replies, _compile(request, lltokenizer, executor))
 
@@ -445,14 +443,12 @@ def _compile(request: dict, lltokenizer, executor) -> dict:
     from .compiler import FIELDS, GuidedDecodingError, PlainConstraint, build_constraint, grammar_source
 
     gd = PlainConstraint(request["constraint"])
-    kind = gd.kinds()[0]
-    field = FIELDS.get(kind, "guided_decoding")
-    start = time.perf_counter()
+    field = FIELDS.get(gd.kinds()[0], "guided_decoding")
     try:
         limits = llg.LLParserLimits(**request["limits"]) if request.get("limits") else None
         field, grammar = grammar_source(gd)
         converted = time.perf_counter()
-        result = build_constraint(lltokenizer, grammar, kind, field, limits, executor)
+        result = build_constraint(lltokenizer, grammar, field, limits, executor)
     except GuidedDecodingError as e:
         return {"field": e.field, "error": str(e)}
     except Exception as e:  # whatever it is, it is this constraint's problem
@@ -460,4 +456,4 @@ def _compile(request: dict, lltokenizer, executor) -> dict:
     if isinstance(result, GuidedDecodingError):
         return {"field": result.field, "error": str(result)}
     del result  # dropped here too: what the server will drop later
-    return {"grammar": grammar, "convert_s": converted - start, "build_s": time.perf_counter() - converted}
+    return {"grammar": grammar, "build_s": time.perf_counter() - converted}

@@ -23,12 +23,11 @@ class _EngineTokenizer:
 
     def __init__(self, tokenizer, width: int, eos_token_ids: list[int]):
         self._tokenizer = tokenizer
-        raw = list(tokenizer.token_bytes)
         self.tokens, self.bos_token_id, self.special_token_ids = _vocabulary(tokenizer, width, eos_token_ids)
         self.eos_token_id = eos_token_ids[0]
         self._by_bytes: dict[bytes, int] = {}
         special = set(self.special_token_ids)
-        for i, b in enumerate(raw):
+        for i, b in enumerate(self.tokens):  # the padding is b"": never looked up
             if b and i not in special:
                 self._by_bytes.setdefault(b, i)
 
