@@ -135,20 +135,7 @@ class ModelConfig:
         if hidden_act not in HIDDEN_ACTIVATIONS:
             refuse(f"hidden_act={hidden_act!r}", f"the activations implemented are {', '.join(HIDDEN_ACTIVATIONS)}")
 
-        # Which projections carry a bias, as each transformers class builds them.
-        attention_bias, mlp_bias = cfg.get("attention_bias"), cfg.get("mlp_bias")
-        if arch == "Qwen2ForCausalLM":  # q/k/v always biased, o never; no config switch
-            if attention_bias is not None and not attention_bias:
-                refuse("attention_bias=false", "Qwen2ForCausalLM always has q/k/v biases")
-            qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":  # no biases at all
-            if attention_bias:
-                refuse("attention_bias=true", "MistralForCausalLM has no attention biases (LlamaForCausalLM has)")
-            qkv_bias = o_bias = False
-        else:  # Llama, Qwen3: q/k/v and o together
-            qkv_bias = o_bias = bool(attention_bias)
-        if mlp_bias and arch != "LlamaForCausalLM":
-            refuse("mlp_bias=true", f"{arch} has no MLP biases (LlamaForCausalLM has)")
+        qkv_bias, o_bias, mlp_bias = _read_biases(cfg, arch, refuse)
 
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -183,7 +170,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
-            mlp_bias=bool(mlp_bias),
+            mlp_bias=mlp_bias,
             hidden_act=hidden_act,
             qk_norm=arch == "Qwen3ForCausalLM",
             checkpoint_dtype=normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
@@ -218,6 +205,24 @@ def _read_rope(cfg: dict[str, Any], refuse) -> tuple[float, dict[str, Any] | Non
         return theta, None
     scaling["rope_type"] = kind
     return theta, scaling
+
+
+def _read_biases(cfg: dict[str, Any], arch: str, refuse) -> tuple[bool, bool, bool]:
+    """Which projections carry a bias (q/k/v, o, MLP), as each transformers class builds them."""
+    attention_bias, mlp_bias = cfg.get("attention_bias"), cfg.get("mlp_bias")
+    if arch == "Qwen2ForCausalLM":  # q/k/v always biased, o never; no config switch
+        if attention_bias is not None and not attention_bias:
+            refuse("attention_bias=false", "Qwen2ForCausalLM always has q/k/v biases")
+        qkv_bias, o_bias = True, False
+    elif arch == "MistralForCausalLM":  # no biases at all
+        if attention_bias:
+            refuse("attention_bias=true", "MistralForCausalLM has no attention biases (LlamaForCausalLM has)")
+        qkv_bias = o_bias = False
+    else:  # Llama, Qwen3: q/k/v and o together
+        qkv_bias = o_bias = bool(attention_bias)
+    if mlp_bias and arch != "LlamaForCausalLM":
+        refuse("mlp_bias=true", f"{arch} has no MLP biases (LlamaForCausalLM has)")
+    return qkv_bias, o_bias, bool(mlp_bias)
 
 
 def _read_sliding_window(cfg: dict[str, Any], arch: str, layers: int, refuse) -> int | None:

@@ -16,6 +16,7 @@ import pytest
 import safetensors.paddle as paddle_safetensors
 from conftest import fixture_dir, load_reference
 from safetensors.numpy import load_file
+from test_model_reference import _copy_fixture as _copy
 
 from fastdeploy_lp import LLM, FDConfig, ModelConfig
 from fastdeploy_lp.config import HIDDEN_ACTIVATIONS
@@ -25,13 +26,9 @@ from fastdeploy_lp.model.activations import ACTIVATIONS
 _DROP = object()  # a config key to remove
 
 
-def _copy(name, tmp_path):
-    out = tmp_path / name
-    shutil.copytree(fixture_dir(name), out)
-    os.chmod(out, 0o755)
-    for p in out.iterdir():
-        os.chmod(p, 0o644)
-    return out
+def _fixture_config(name):
+    with open(os.path.join(fixture_dir(name), "config.json")) as f:
+        return json.load(f)
 
 
 def _edit_config(out, **changes):
@@ -59,6 +56,11 @@ def _load(path):
     return load_model(FDConfig.create(str(path), device="cpu").model_config)
 
 
+def _assert_load_refused(out, match):
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        _load(out)
+
+
 def _logits(model, ids):
     with paddle.no_grad():
         return model.full_logits(ids).numpy()
@@ -75,15 +77,13 @@ def _logits(model, ids):
 def test_a_tensor_the_model_does_not_use_is_refused_by_name(tmp_path, extra):
     out = _copy("llama", tmp_path)
     _edit_tensors(out, add={extra: np.ones(64, np.float32)})
-    with pytest.raises(UnsupportedCheckpointError, match=r"does not use.*" + re.escape(repr(extra))):
-        _load(out)
+    _assert_load_refused(out, r"does not use.*" + re.escape(repr(extra)))
 
 
 def test_qwen2_has_qkv_biases_but_an_o_proj_bias_is_refused(tmp_path):
     out = _copy("qwen2", tmp_path)
     _edit_tensors(out, add={"model.layers.1.self_attn.o_proj.bias": np.zeros(64, np.float32)})
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape("'model.layers.1.self_attn.o_proj.bias'")):
-        _load(out)
+    _assert_load_refused(out, re.escape("'model.layers.1.self_attn.o_proj.bias'"))
 
 
 @pytest.mark.parametrize("name,missing", [
@@ -97,8 +97,7 @@ def test_qwen2_has_qkv_biases_but_an_o_proj_bias_is_refused(tmp_path):
 def test_a_missing_tensor_is_refused_by_name(tmp_path, name, missing):
     out = _copy(name, tmp_path)
     _edit_tensors(out, drop=[missing])
-    with pytest.raises(UnsupportedCheckpointError, match=r"missing: .*" + re.escape(repr(missing))):
-        _load(out)
+    _assert_load_refused(out, r"missing: .*" + re.escape(repr(missing)))
 
 
 def test_all_problems_are_reported_together(tmp_path):
@@ -115,16 +114,14 @@ def test_all_problems_are_reported_together(tmp_path):
 def test_a_config_that_disagrees_with_the_tensor_shapes_is_refused(tmp_path):
     out = _copy("llama", tmp_path)
     _edit_config(out, intermediate_size=128)
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape("'model.layers.0.mlp.gate_proj.weight' is "
-                                                                   "[160, 64], config.json says [128, 64]")):
-        _load(out)
+    _assert_load_refused(out, re.escape("'model.layers.0.mlp.gate_proj.weight' is "
+                                        "[160, 64], config.json says [128, 64]"))
 
 
 def test_a_non_float_tensor_is_refused_by_name(tmp_path):
     out = _copy("llama", tmp_path)
     _edit_tensors(out, add={"model.norm.weight": np.ones(64, np.int8)})
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape("'model.norm.weight' (I8)")):
-        _load(out)
+    _assert_load_refused(out, re.escape("'model.norm.weight' (I8)"))
 
 
 def test_the_checkpoint_without_surprises_loads_exactly_its_tensors():
@@ -141,8 +138,7 @@ def test_rope_frequency_buffers_of_old_checkpoints_load_only_if_they_match_the_c
     inputs, ref = load_reference("llama")
     np.testing.assert_allclose(_logits(_load(out), inputs[0]), ref["logits_0"], atol=1e-4, rtol=0)
     _edit_tensors(out, add={name: (inv_freq / 8).astype(np.float32)})  # a checkpoint trained with other RoPE
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape(repr(name))):
-        _load(out)
+    _assert_load_refused(out, re.escape(repr(name)))
 
 
 # -- config switches -------------------------------------------------------------------------------
@@ -177,7 +173,7 @@ def test_an_unimplemented_config_switch_is_refused_by_name(tmp_path, changes, na
 
 def test_which_projections_have_biases_follows_each_transformers_class():
     def parse(arch, **cfg):
-        base = json.loads(open(os.path.join(fixture_dir("llama"), "config.json")).read())
+        base = _fixture_config("llama")
         merged = {k: v for k, v in {**base, "architectures": [arch], **cfg}.items() if v is not _DROP}
         config = ModelConfig.from_dict(merged)
         return config.attention_bias, config.o_proj_bias, config.mlp_bias
@@ -190,7 +186,7 @@ def test_which_projections_have_biases_follows_each_transformers_class():
 
 
 def test_sliding_window_is_read_per_architecture_like_transformers():
-    base = json.loads(open(os.path.join(fixture_dir("llama"), "config.json")).read())
+    base = _fixture_config("llama")
 
     def window(arch, **cfg):
         return ModelConfig.from_dict({**base, "architectures": [arch], "attention_bias": None, **cfg}).sliding_window
@@ -209,7 +205,7 @@ def test_sliding_window_is_read_per_architecture_like_transformers():
 
 
 def test_qwen3_head_dim_defaults_like_its_config_class():
-    base = json.loads(open(os.path.join(fixture_dir("qwen3"), "config.json")).read())
+    base = _fixture_config("qwen3")
     base.pop("head_dim")
     assert ModelConfig.from_dict(base).head_dim == 128
     assert ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]}).head_dim == 16
@@ -298,8 +294,7 @@ def test_tied_checkpoint_holding_only_lm_head_ties_the_embedding_to_it(tmp_path)
 def test_untied_config_needs_its_lm_head(tmp_path):
     out = _copy("qwen3", tmp_path)
     _edit_config(out, tie_word_embeddings=False)
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape("missing: 'lm_head.weight'")):
-        _load(out)
+    _assert_load_refused(out, re.escape("missing: 'lm_head.weight'"))
 
 
 # -- round trip ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from fastdeploy_lp.config import default_model_path
 from fastdeploy_lp.tokenizer import Tokenizer
 from server_harness import start_server
+from test_server_openai import client  # noqa: F401  (the fixture, over this module's `server`)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city"]}
@@ -51,11 +52,6 @@ def server():
     s = start_server("--max-num-seqs", "16", "--served-model-name", "default-model", model=default_model_path())
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

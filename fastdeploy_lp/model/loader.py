@@ -47,7 +47,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_FLOAT_DTYPES = frozenset({"F32", "BF16", "F16"})  # safetensors dtypes that load
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Old checkpoints store the RoPE frequencies as buffers; transformers recomputes them from the config.
 _INV_FREQ = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -148,7 +148,7 @@ def _check(config: ModelConfig, ckpt: _Checkpoint, aliases: dict[str, str]) -> N
     extra -= {n for n in extra if _INV_FREQ.fullmatch(n) and _rope_buffer_matches(config, ckpt, n)}
     missing = [n for n in expected if aliases.get(n, n) not in ckpt.shapes]
     wrong_shape = [n for n in expected if n not in missing and ckpt.shapes[aliases.get(n, n)] != expected[n]]
-    wrong_dtype = sorted(n for n in used & set(ckpt.shapes) if ckpt.dtypes[n] not in _DTYPES)
+    wrong_dtype = sorted(n for n in used & set(ckpt.shapes) if ckpt.dtypes[n] not in _FLOAT_DTYPES)
     problems = []
     if extra:
         problems.append(f"{len(extra)} tensor(s) the {config.architecture} model does not use (with this "
@@ -169,7 +169,7 @@ def _check(config: ModelConfig, ckpt: _Checkpoint, aliases: dict[str, str]) -> N
 
 def _rope_buffer_matches(config: ModelConfig, ckpt: _Checkpoint, name: str) -> bool:
     """A stored `rotary_emb.inv_freq` is accepted only if it equals what the config gives."""
-    if ckpt.dtypes[name] not in _DTYPES:
+    if ckpt.dtypes[name] not in _FLOAT_DTYPES:
         return False
     stored = ckpt.read([name])[name].astype("float32").numpy()
     ours = rope_inverse_frequencies(config).numpy()
@@ -197,7 +197,6 @@ def load_model(config: ModelConfig, max_positions: int | None = None) -> Decoder
 
     def take(name: str) -> paddle.Tensor:
         return raw[aliases.get(name, name)].astype(config.dtype)
-
 
     state = {"embed_tokens.weight": take(_EMBED), "norm.weight": take("model.norm.weight")}
     for i in range(config.num_hidden_layers):

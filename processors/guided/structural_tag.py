@@ -314,12 +314,22 @@ def _without(banned) -> str:
     return f"{_re(_ANY)} & ~{_re(_ANY + '(?:' + '|'.join(_escape(t) for t in banned) + ')' + _ANY)}"
 
 
-def _check_regex(pattern: str, where: str) -> None:
-    error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_regex(pattern))
+def _validate(grammar: str, failure: str) -> None:
+    """ValueError `failure: <llguidance's error>` unless llguidance accepts `grammar`."""
+    error = llg.LLMatcher.validate_grammar(grammar)
     if error:
         from .compiler import clean_error
 
-        raise ValueError(f"{where}: invalid or unsupported regex: {clean_error(error)}")
+        raise ValueError(f"{failure}: {clean_error(error)}")
+
+
+def _check_regex(pattern: str, where: str) -> None:
+    _validate(llg.LLMatcher.grammar_from_regex(pattern), f"{where}: invalid or unsupported regex")
+
+
+def _alternatives(tags) -> str:
+    """`begin body | ...` for (begin literal, body expression) pairs ("" for an empty one)."""
+    return " | ".join(_seq(_lit(begin), body) or '""' for begin, body in tags)
 
 
 def _close(expr: str, absorbed: bool, after) -> str:
@@ -517,31 +527,30 @@ def _json(b: _LarkBuilder, schema: dict, where: str, max_ws: int | None = None) 
     """`%json` for a schema, checked on its own first so that an error names its place."""
     # The same bounded default as plain JSON constraints (json_format_options), tool-call arguments included.
     schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **json_format_options(_whitespace(b, max_ws))}}
-    error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
-    if error:
-        from .compiler import clean_error
-
-        raise ValueError(f"{where}: invalid or unsupported: {clean_error(error)}")
+    _validate(llg.LLMatcher.grammar_from_json_schema(json.dumps(schema)), f"{where}: invalid or unsupported")
     return b.rule(f"%json {json.dumps(schema)}", "json")
 
 
 def _side_grammar(b: _LarkBuilder, text: str, where: str) -> str:
-    from .compiler import clean_error, is_gbnf
+    from .compiler import is_gbnf
 
     if is_gbnf(text):
         try:
             text = any_to_lark(text)
         except Exception as e:  # the converter raises plain Exceptions on bad input
             raise ValueError(f"{where}.grammar: invalid GBNF grammar: {e}") from None
-    error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(text))
-    if error:
-        raise ValueError(f"{where}.grammar: invalid or unsupported: {clean_error(error)}")
+    _validate(llg.LLMatcher.grammar_from_lark(text), f"{where}.grammar: invalid or unsupported")
     name = b.name("grammar")
     b.side_grammars.append({"name": name, "lark_grammar": text})
     return f"@{name}"
 
 
 # -- free text ---------------------------------------------------------------------------------
+def _ctx_ends(ctx: _Ctx) -> tuple:
+    """The strings free text at `ctx` must not contain: the enclosing tag's ends and what follows."""
+    return (*ctx.tag_ends, *(ctx.after if isinstance(ctx.after, tuple) else ()))
+
+
 def _free_end(b: _LarkBuilder, text: str, ctx: _Ctx, where: str, what: str) -> tuple[str, bool]:
     """Free text (the terminal `text`) where `ctx.after` says it ends: (expression, absorbed)."""
     if isinstance(ctx.after, tuple):
@@ -561,8 +570,7 @@ def _any_text(b: _LarkBuilder, node: dict, where: str, ctx: _Ctx) -> tuple[str, 
     max_chars = _count(node, "max_chars", where)
     if max_chars is not None and max_chars > MAX_CHARS_LIMIT:
         raise ValueError(f"{where}.max_chars: at most {MAX_CHARS_LIMIT} is supported")
-    banned = [*excludes, *ctx.tag_ends, *(ctx.after if isinstance(ctx.after, tuple) else ())]
-    text = _without(banned)
+    text = _without([*excludes, *_ctx_ends(ctx)])
     if max_chars is not None:
         text = f"{_re(f'(?s:.){{0,{max_chars}}}')} & ({text})"
     return _free_end(b, b.terminal(text, "TEXT"), ctx, where, "any_text")
@@ -595,17 +603,15 @@ def _triggered(b: _LarkBuilder, node: dict, where: str, ctx: _Ctx) -> tuple[str,
         if not members:
             raise ValueError(f"{where}.triggers[{triggers.index(t)}]: {t!r} starts no tag's begin")
 
-    first = b.rule(" | ".join(_seq(_lit(begin), body) or '""' for ms in groups.values() for begin, body in ms),
-                   "first")
+    first = b.rule(_alternatives(m for ms in groups.values() for m in ms), "first")
     if at_least_one and stop_after_first:  # exactly one tag, no free text
         return first, False
-    free = b.terminal(_without([*triggers, *excludes, *ctx.tag_ends,
-                                *(ctx.after if isinstance(ctx.after, tuple) else ())]), "FREE_TEXT")
+    free = b.terminal(_without([*triggers, *excludes, *_ctx_ends(ctx)]), "FREE_TEXT")
     calls = []
     for t, members in groups.items():
         # Free text then the trigger, one lexeme, ended lazily at the trigger's first occurrence.
         lead = b.rule(f"{free} {_lit(t)}", "until_trigger", lazy=True)
-        rests = " | ".join(_seq(_lit(begin[len(t):]), body) or '""' for begin, body in members)
+        rests = _alternatives((begin[len(t):], body) for begin, body in members)
         calls.append(f"{lead} ({rests})")
     call = b.rule(" | ".join(calls), "call")
     tail, absorbed = _free_end(b, free, ctx, where, "triggered_tags")
@@ -623,13 +629,12 @@ def _separated(b: _LarkBuilder, node: dict, where: str) -> str:
     # A tag without an end is followed by the separator or by what follows the node: ambiguous.
     parts = [_tag_parts(b, t, f"{where}.tags[{i}]", _Ctx(after=None))[:2] for i, t in enumerate(tags)]
     bodies = [b.rule(body, "body") if body else "" for _, body in parts]
-    one = b.rule(" | ".join(_seq(_lit(begin), body) or '""' for (begin, _), body in zip(parts, bodies)), "tags")
+    one = b.rule(_alternatives((begin, body) for (begin, _), body in zip(parts, bodies)), "tags")
     if stop_after_first:
         return one if at_least_one else b.rule(f"{one}?", "tags")
     # The separator and the next begin are one literal: as separate lexemes, a separator that also
     # starts what follows the node ("\n" then "\n</x>") would be lost once the lexer took "\n<".
-    nxt = b.rule(" | ".join(_seq(_lit(sep + begin), body) or '""' for (begin, _), body in zip(parts, bodies)),
-                 "tags")
+    nxt = b.rule(_alternatives((sep + begin, body) for (begin, _), body in zip(parts, bodies)), "tags")
     many = b.rule(f"{one} {nxt}*", "tags")
     return many if at_least_one else b.rule(f"{many}?", "tags")
 
@@ -703,7 +708,7 @@ class _Xml:
 
     def _value(self, schema: Any, where: str) -> str:
         if schema is True or schema == {}:
-            return self._raw([_ANY], where)
+            return self._raw([_ANY])
         if schema is False:
             raise ValueError(f"{where}: false admits no value")
         if not isinstance(schema, dict):
@@ -711,7 +716,7 @@ class _Xml:
         resolved = self._resolve(schema, where)
         keys = set(resolved) - _ANNOTATIONS
         if not keys:
-            return self._raw([_ANY], where)
+            return self._raw([_ANY])
         types = resolved.get("type", list(_JSON_TYPES))
         types = [types] if isinstance(types, str) else types
         if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
@@ -727,7 +732,7 @@ class _Xml:
         if unknown:  # combinators, $ref with siblings, keywords this module does not know
             raise ValueError(f"{where}.{unknown[0]}: not supported for a value that may be a (raw text) string "
                              "in Qwen XML parameters")
-        raw = self._raw(self._string_regex(resolved, where), where)
+        raw = self._raw(self._string_regex(resolved, where))
         others = [t for t in types if t != "string"]
         if not others:
             return raw
@@ -758,7 +763,7 @@ class _Xml:
         json_rule = _json(self.b, {**self.defs, **schema}, where, self.max_ws)
         return self.b.rule(_seq(json_rule, self.ws, _lit(_XML_END)), "json_value")
 
-    def _raw(self, regexes: list[str], where: str) -> str:
+    def _raw(self, regexes: list[str]) -> str:
         """Raw text matching every regex in `regexes`, optional whitespace, then </parameter>: one
         lazy lexeme, so the value ends at the first </parameter>."""
         if regexes == [_ANY]:
@@ -788,7 +793,7 @@ class _Xml:
             texts.append(v if kind == "string" else json.dumps(v, separators=(",", ":"), ensure_ascii=False))
         if not texts:
             raise ValueError(f"{where}: no value of the const/enum satisfies the schema")
-        return self._raw(["|".join(_escape(t) for t in dict.fromkeys(texts))], where)
+        return self._raw(["|".join(_escape(t) for t in dict.fromkeys(texts))])
 
     def _string_regex(self, schema: dict, where: str) -> list[str]:
         """The regexes raw string text must match (JSON Schema's minLength, maxLength, pattern, format)."""

@@ -270,38 +270,10 @@ class ToolCallParser:
             c = text[i]
             if c not in '{["' and c not in _SCALAR_CHARS:
                 self._i = i
-                return self._fail(events)
+                return self._fail()
             self._started = True
-        begin, done = i, False
-        while i < n:
-            c = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-                    if self._depth == 0:
-                        i, done = i + 1, True
-                        break
-            elif self._scalar:
-                if c not in _SCALAR_CHARS:
-                    done = True  # this character is not part of the value
-                    break
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth <= 0:
-                    i, done = i + 1, True
-                    break
-            elif self._depth == 0:
-                self._scalar = True
-                continue  # re-read this character as the scalar's first
-            i += 1
+        begin = i
+        i, done = self._scan_value(text, i)
         piece = text[begin:i]
         call = self._call
         if piece:
@@ -312,9 +284,41 @@ class ToolCallParser:
             return False
         self._value_end = i
         if not _is_one_json_value(call.arguments):
-            return self._fail(events)
+            return self._fail()
         self._state = _END
         return True
+
+    def _scan_value(self, text: str, i: int) -> tuple[int, bool]:
+        """Scan the JSON value from `i` on, tracking strings, escapes and nesting across calls;
+        returns (the position reached, whether the value ended there)."""
+        n = len(text)
+        while i < n:
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        return i + 1, True
+            elif self._scalar:
+                if c not in _SCALAR_CHARS:
+                    return i, True  # this character is not part of the value
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    return i + 1, True
+            elif self._depth == 0:
+                self._scalar = True
+                continue  # re-read this character as the scalar's first
+            i += 1
+        return i, False
 
     def _read_end(self, events: list) -> bool:
         text, n = self._buf, len(self._buf)
@@ -324,7 +328,7 @@ class ToolCallParser:
         got = text[i:i + len(CALL_END)]
         if not CALL_END.startswith(got):
             self._i = self._value_end
-            return self._fail(events)
+            return self._fail()
         if len(got) < len(CALL_END):
             return False  # wait for the rest of the end tag
         call = self._call
@@ -345,7 +349,7 @@ class ToolCallParser:
             self._call_start -= cut
             self._value_end -= cut
 
-    def _fail(self, events: list) -> bool:
+    def _fail(self) -> bool:
         """The call in progress is not one (only without the grammar): back to reading text."""
         self._call.failed = True
         self._call = None
