@@ -70,6 +70,11 @@ class IncrementalDetokenizer:
             self._pending = self._pending[:at + (len(self.stopped_on) if self.include_stop else 0)]
 
     @property
+    def text(self) -> str:
+        """All text decoded so far (the stop string cut off once found)."""
+        return self.released_text + self._pending
+
+    @property
     def released_text(self) -> str:
         if len(self._joined) != self._released_len:
             self._joined = "".join(self._released)
