@@ -1,31 +1,22 @@
 """One install for the engine, the processors and the OpenAI-compatible server.
 
-`processors/` and `entrypoints/` live at the top of the repository but ship inside the
-`fastdeploy_lp` namespace, so users import `fastdeploy_lp.processors` and run
-`python -m fastdeploy_lp.entrypoints.openai.api_server`.
+`processors/` and `entrypoints/` live at the top of the repository and ship inside the
+`fastdeploy_lp` namespace: `fastdeploy_lp/processors` and `fastdeploy_lp/entrypoints` are relative
+symlinks to them. So the source tree imports exactly as it installs (`PYTHONPATH=.` is enough, and
+editors resolve `fastdeploy_lp.processors`), `pip install -e .` maps one directory, and
+`pip install .` copies the real files into the wheel (`find_packages` follows the links).
+Nothing named plain `processors` or `entrypoints` lands in site-packages.
 """
 
 from setuptools import find_packages, setup
-
-core = find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"])
-processors = ["fastdeploy_lp.processors" + p[len("processors"):]
-              for p in find_packages(include=["processors", "processors.*"])]
-entrypoints = ["fastdeploy_lp.entrypoints" + p[len("entrypoints"):]
-               for p in find_packages(include=["entrypoints", "entrypoints.*"])]
 
 setup(
     name="fastdeploy_lp",
     version="0.1.0",
     description="Paddle LLM inference engine with a registered logits-processor pipeline",
     python_requires=">=3.11",
-    packages=core + processors + entrypoints,
-    package_dir={
-        "fastdeploy_lp": "fastdeploy_lp",
-        "fastdeploy_lp.processors": "processors",
-        "fastdeploy_lp.entrypoints": "entrypoints",
-    },
+    packages=find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"]),
     package_data={"fastdeploy_lp": ["default_model/*"]},
-    include_package_data=True,
     install_requires=[
         "paddlepaddle>=3.0",
         "numpy",
