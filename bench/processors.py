@@ -85,6 +85,7 @@ def bench_config(vocab: int, batch: int, max_len: int, model_dir: str | None) ->
         return FDConfig.create(model_dir, max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device())
     model = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab, "hidden_size": 64,
                                    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
+                                   "num_key_value_heads": 1,
                                    "max_position_embeddings": max_len})
     return FDConfig(model_config=model, max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device())
 

@@ -124,6 +124,14 @@ class SamplingParams:
             _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words),
                    "bad_words", "must be a list of non-empty strings", self.bad_words)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """The model-dependent half of this object's validation, made at admission: token ids in
+        `logit_bias` and `stop_token_ids` must be in the vocabulary. Raises ValueError naming the field."""
+        for name, tokens in (("logit_bias", (self.logit_bias or {}).keys()), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in tokens if t >= vocab_size]  # negative ids were refused at construction
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
     @property
     def greedy(self) -> bool:
         """Temperatures this small would overflow `logits / temperature`; they mean greedy."""

@@ -1,8 +1,8 @@
-"""The logits-processor interface.
+"""The logits-processor contract (`share_inputs` version `SHARE_INPUTS_VERSION`).
 
 A processor is registered once per server (`--logits-processors`) and sees the whole batch. Before
-each forward pass `update_state(share_inputs)` gets the per-slot engine state; after it,
-`apply(logits)` gets one row per active slot, in increasing slot order, i.e. the order of
+each forward pass `update_state(share_inputs)` gets the per-slot engine state (`ShareInputs`);
+after it, `apply(logits)` gets one row per active slot, in increasing slot order, i.e. the order of
 `[x for x, f in zip(share_inputs[field], share_inputs["stop_flags"]) if not f]`.
 
 Example (the FastDeploy example, unchanged but for the package name):
@@ -20,15 +20,26 @@ Example (the FastDeploy example, unchanged but for the package name):
                 if e:
                     logits[i] = ...
             return logits
+
+A processor that keeps per-request state asks a `BatchTracker` (`batch_state.py`) what changed
+since its previous step — a `BatchUpdate`: requests added, removed, and rows moved — and updates
+only that, as vLLM's v1 processors do.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
+import paddle
 from pydantic import BaseModel
+
+from ..sampling_params import SamplingParams
+
+SHARE_INPUTS_VERSION = 1  # bumped whenever a field is added to `ShareInputs`; fields are never removed
 
 
 class LogitsProcessorArgs(dict):
@@ -46,17 +57,74 @@ class LogitsProcessorArgs(dict):
         return self.get(key)
 
 
-def active_slots(share_inputs: dict) -> np.ndarray:
+class ShareInputs(TypedDict):
+    """What `update_state` receives: one entry per engine slot in every field (version
+    `SHARE_INPUTS_VERSION`; docs/logits_processors.md describes each field). Host arrays and lists;
+    processors read them and write only `forced_tokens`."""
+
+    stop_flags: np.ndarray                        # bool [slots]: True = free, or its request finished
+    req_ids: list[str | None]                     # the request id in the slot (ids may repeat)
+    logits_processors_args: list[LogitsProcessorArgs]  # the request's args (an empty one when none)
+    prompt_ids: list[np.ndarray]                  # int64: the prompt's token ids
+    prompt_lens: np.ndarray                       # int64 [slots]
+    output_ids: list[list[int]]                   # tokens generated so far (the request's live list)
+    step_idx: np.ndarray                          # int64 [slots]: number of tokens generated so far
+    next_tokens: np.ndarray                       # int64 [slots]: the last generated token, -1 before
+    sampling_params: list[SamplingParams | None]  # the request's full sampling parameters
+    admission_ids: np.ndarray                     # int64 [slots]: unique per admission, -1 never used
+    forced_tokens: list[list[int]]                # written in update_state: tokens certain to come next
+    temperature: np.ndarray                       # float32 [slots]: the request's sampling fields ...
+    top_p: np.ndarray
+    top_k: np.ndarray                             # int64
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    presence_penalty: np.ndarray
+
+
+def active_slots(share_inputs: ShareInputs) -> np.ndarray:
     """The slots that have a logits row this step, in row order: row i is slot `active_slots(...)[i]`."""
     return np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool))
 
 
-def batch_key(share_inputs: dict, slots: np.ndarray) -> tuple:
-    """A value that changes exactly when the batch's composition does (a request joins, leaves or
-    moves), so a processor can rebuild its index tensors only then. Admission ids are never reused,
-    unlike request ids (a client may send one again) or `id()` of args objects (Python reuses them)."""
-    admissions = share_inputs["admission_ids"]
-    return tuple((int(s), int(admissions[s])) for s in slots)
+@dataclass(frozen=True)
+class AddedRequest:
+    """A request that joined the batch since the processor's previous step."""
+
+    slot: int
+    row: int                      # its row in this step's logits
+    admission_id: int             # `share_inputs["admission_ids"][slot]`: tells it from the slot's earlier requests
+    req_id: str | None
+    args: LogitsProcessorArgs     # its `logits_processors_args`
+    params: SamplingParams | None
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """What changed in the batch since a processor's previous step (vLLM's `BatchUpdate`, by slot).
+
+    A request keeps its slot from admission to finish; rows are the active slots compacted in slot
+    order, so a request that joins or leaves shifts the rows after it. A processor with per-request
+    state drops the `removed` slots, builds the `added` requests, and re-indexes per-row data with
+    `previous_rows` (one gather) instead of rebuilding it. A slot reused by a new request is both
+    removed and added.
+    """
+
+    slots: np.ndarray                   # int64 [rows]: the active slots; row i is slots[i]
+    added: tuple[AddedRequest, ...]     # in row order
+    removed: tuple[int, ...]            # slots whose request finished, was aborted or failed
+    moved: tuple[tuple[int, int], ...]  # (previous row, row) of requests that stayed and changed row
+    previous_rows: np.ndarray           # int64 [rows]: each row's previous row, -1 for an added request
+    row_of_slot: np.ndarray             # int64 [slots]: each slot's row, -1 for an inactive slot
+
+    @property
+    def changed(self) -> bool:
+        """Whether any request joined or left (rows move only then)."""
+        return bool(self.added or self.removed)
+
+    def rows_of(self, slots) -> np.ndarray:
+        """The rows of active `slots`."""
+        return self.row_of_slot[np.asarray(slots, dtype=np.int64)]
 
 
 class RequestFailures(Exception):
@@ -71,7 +139,7 @@ class RequestFailures(Exception):
         self.failures = dict(failures)
 
 
-class LogitsProcessor:
+class LogitsProcessor(ABC):
     """Base class of batch-level logits processors.
 
     Class attributes a processor may set:
@@ -79,23 +147,29 @@ class LogitsProcessor:
         against it before admission; a request enables the processor by setting any of them.
       * `argmax_invariant`: True if `apply` never changes which token has the highest logit
         (then it is skipped for all-greedy batches).
+      * `serves_guided_decoding`: True for the processor that enforces
+        `SamplingParams.guided_decoding` (the engine accepts such requests only if one is installed).
     """
 
     args_model: ClassVar[type[BaseModel] | None] = None
     argmax_invariant: ClassVar[bool] = False
+    serves_guided_decoding: ClassVar[bool] = False
 
     def __init__(self, fd_config) -> None:
         self.fd_config = fd_config
 
-    def validate_request(self, params) -> None:
+    def validate_request(self, params: SamplingParams) -> None:
         """Check one request's `SamplingParams` before it is admitted; raise `ValueError` naming
         the field. Runs on the caller's thread, so slow checks (compiling a grammar) belong here."""
 
-    def update_state(self, share_inputs: dict) -> None:
-        """Called before each forward pass with the engine's per-slot state."""
+    @abstractmethod
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        """Called before each forward pass with the engine's per-slot state; it may be called
+        again within a step (after requests failed), with the smaller batch."""
 
-    def apply(self, logits):
-        """Modify the `[active_slots, vocab]` logits (in place allowed) and return them."""
+    def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
+        """Modify the `[active_slots, vocab]` logits (in place allowed) and return them. A processor
+        that only publishes `forced_tokens` need not override it."""
         return logits
 
     @classmethod

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .base import LogitsProcessor, RequestFailures
+from .base import LogitsProcessor, RequestFailures, active_slots
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +159,7 @@ class RequestLogitsProcessorAdapter(LogitsProcessor):
 
     def update_state(self, share_inputs):
         self._rows = []
-        row = -1
-        for slot, stopped in enumerate(share_inputs["stop_flags"]):
-            if stopped:
-                continue
-            row += 1
+        for row, slot in enumerate(active_slots(share_inputs)):
             params = share_inputs["sampling_params"][slot]
             if params is not None and "request_logits_processor" in params.extra:
                 self._rows.append((row, slot, params.extra["request_logits_processor"],

@@ -3,6 +3,12 @@
 It validates request args against the registered processors, calls `update_state` before the
 forward pass and `apply` after it in registration order, times both per processor, and isolates
 failures: a processor that raises fails only the requests that enabled it.
+
+Request-level `SamplingParams.logit_bias` and `bad_words` run through the same built-in processors
+as `logits_processors_args`, in a second stage the engine applies after the penalties (where the
+sampler order puts them), whether or not the operator registered those processors by name. That
+stage sees `share_inputs` with each slot's args read from its `SamplingParams`, so the built-ins
+need no second code path.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 from pydantic import ValidationError
 
-from .base import LogitsProcessor, LogitsProcessorArgs, RequestFailures, active_slots
-from .registry import resolve_processors
+from .base import LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs, active_slots
+from .registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +43,43 @@ def _raised(error: BaseException) -> bool:
 
 
 class LogitsProcessorPipeline:
+    """The registered processors (after the `leading` ones the engine installs: guided decoding),
+    and the built-ins that apply `SamplingParams.logit_bias` and `bad_words` (`sampling_stage`,
+    run by the engine after the penalties: `apply_sampling_params`)."""
+
     def __init__(self, fd_config, names: list[str], leading: list[LogitsProcessor] | None = None):
-        """`names` are the registered processors; `leading` ones (guided decoding) run first."""
         self.fd_config = fd_config
-        self.processors: list[LogitsProcessor] = list(leading or [])
-        self.processors += [cls(fd_config) for cls in resolve_processors(names)]
-        self.names = [type(p).__name__ for p in self.processors]
-        self.timings = {name: ProcessorTiming() for name in self.names}
-        self._open = any(type(p).declared_keys() is None for p in self.processors)
-        self._enabled: list[bool] = [False] * len(self.processors)
-        self._step_seconds = [0.0] * len(self.processors)  # this step's update_state + apply
-        self.timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        processors = list(leading or []) + [cls(fd_config) for cls in resolve_processors(names)]
+        self.registered = _Stage(processors, [type(p).__name__ for p in processors], timeout_s)
+        stage = resolve_processors(list(SAMPLING_PARAMS_PROCESSORS.values()))
+        names = [f"{name}(SamplingParams.{field})" for field, name in SAMPLING_PARAMS_PROCESSORS.items()]
+        self.sampling_stage = _Stage([cls(fd_config) for cls in stage], names, timeout_s)
+        self._open = any(type(p).declared_keys() is None for p in processors)
+        self._sampling_args: list[LogitsProcessorArgs] = []  # per slot: its SamplingParams fields as args
+        self._sampling_admissions = np.zeros(0, dtype=np.int64)  # ... of the admission they were read for
+
+    @property
+    def processors(self) -> list[LogitsProcessor]:
+        """The leading and registered processors, in order."""
+        return self.registered.processors
+
+    @property
+    def names(self) -> list[str]:
+        return self.registered.names
+
+    @property
+    def timings(self) -> dict[str, ProcessorTiming]:
+        return self.registered.timings
+
+    @timings.setter
+    def timings(self, value: dict[str, ProcessorTiming]) -> None:
+        self.registered.timings = value
+
+    @property
+    def serves_guided_decoding(self) -> bool:
+        """Whether a processor enforces `SamplingParams.guided_decoding` (else such requests are refused)."""
+        return any(type(p).serves_guided_decoding for p in self.processors)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, params) -> LogitsProcessorArgs:
@@ -92,10 +125,55 @@ class LogitsProcessorPipeline:
         return out
 
     # -- each step ------------------------------------------------------------------------------
-    def update_state(self, share_inputs: dict) -> dict[int, str]:
-        """Run every `update_state`; return {slot: error message} for requests to fail."""
+    def update_state(self, share_inputs: ShareInputs) -> dict[int, str]:
+        """Run every `update_state` (both stages); return {slot: error message} for requests to fail."""
         failures: dict[int, str] = {}
-        rows = self._active_rows(share_inputs)
+        self.registered.update_state(share_inputs, failures)
+        self.sampling_stage.update_state(self._sampling_view(share_inputs), failures)
+        return failures
+
+    def apply(self, logits: paddle.Tensor, share_inputs: ShareInputs,
+              all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+        """Run the registered processors' `apply` in order on `[active, vocab]` logits; return them
+        and {slot: error} failures."""
+        failures: dict[int, str] = {}
+        return self.registered.apply(logits, share_inputs, all_greedy, failures), failures
+
+    def apply_sampling_params(self, logits: paddle.Tensor, share_inputs: ShareInputs,
+                              all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+        """Apply `SamplingParams.logit_bias`, then `bad_words`, through the built-in processors (the
+        engine calls this after the penalties); return the logits and {slot: error} failures."""
+        failures: dict[int, str] = {}
+        return self.sampling_stage.apply(logits, self._sampling_view(share_inputs), all_greedy, failures), failures
+
+    def _sampling_view(self, share_inputs: ShareInputs) -> ShareInputs:
+        """`share_inputs` as the sampling stage sees it: each slot's args are its request's
+        `SamplingParams` fields that the stage applies, read once per admission."""
+        admissions = np.asarray(share_inputs["admission_ids"], dtype=np.int64)
+        if len(self._sampling_admissions) != len(admissions):
+            self._sampling_args = [LogitsProcessorArgs() for _ in admissions]
+            self._sampling_admissions = np.full(len(admissions), -2, dtype=np.int64)
+        for slot in np.flatnonzero(admissions != self._sampling_admissions):
+            params = share_inputs["sampling_params"][slot]
+            values = {f: getattr(params, f, None) for f in SAMPLING_PARAMS_PROCESSORS}
+            self._sampling_args[slot] = LogitsProcessorArgs({k: v for k, v in values.items() if v is not None})
+            self._sampling_admissions[slot] = admissions[slot]
+        return {**share_inputs, "logits_processors_args": self._sampling_args}
+
+
+class _Stage:
+    """Processors that run together, in order: their calls, timings, time limit and failure isolation."""
+
+    def __init__(self, processors: list[LogitsProcessor], names: list[str], timeout_s: float | None):
+        self.processors = processors
+        self.names = names
+        self.timings = {name: ProcessorTiming() for name in names}
+        self.timeout_s = timeout_s
+        self._enabled: list[bool] = [False] * len(processors)
+        self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
+
+    def update_state(self, share_inputs: ShareInputs, failures: dict[int, str]) -> None:
+        rows = _active_rows(share_inputs)
         for i, p in enumerate(self.processors):
             self._enabled[i] = any(type(p).is_enabled_by(a, sp) for _, a, sp in rows)
             start = time.perf_counter()
@@ -109,16 +187,14 @@ class LogitsProcessorPipeline:
             self.timings[self.names[i]].update_state_seconds += elapsed
             self._step_seconds[i] = elapsed
             self._check_time(i, rows, failures)
-        return failures
 
-    def apply(self, logits: paddle.Tensor, share_inputs: dict, all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
-        """Run `apply` in order on `[active, vocab]` logits; return them and {slot: error} failures."""
-        failures: dict[int, str] = {}
+    def apply(self, logits: paddle.Tensor, share_inputs: ShareInputs, all_greedy: bool,
+              failures: dict[int, str]) -> paddle.Tensor:
         todo = [i for i, p in enumerate(self.processors)
                 if self._enabled[i] and not (all_greedy and type(p).argmax_invariant)]
         if not todo:
-            return logits, failures
-        rows = self._active_rows(share_inputs)
+            return logits
+        rows = _active_rows(share_inputs)
         for i in todo:
             start = time.perf_counter()
             try:
@@ -138,7 +214,7 @@ class LogitsProcessorPipeline:
             timing.calls += 1
             self._step_seconds[i] += elapsed
             self._check_time(i, rows, failures)
-        return logits, failures
+        return logits
 
     def _check_time(self, i, rows, failures) -> None:
         """Fail the requests that enabled processor i if it has used more than its time this step.
@@ -154,15 +230,7 @@ class LogitsProcessorPipeline:
         self._step_seconds[i] = 0.0  # counted once per step
         message = (f"logits processor {name} took longer than the per-step limit of {self.timeout_s:g} s "
                    "(--logits-processor-timeout)")
-        for slot, args, params in rows:
-            if type(self.processors[i]).is_enabled_by(args, params):
-                failures.setdefault(slot, message)
-
-    @staticmethod
-    def _active_rows(share_inputs):
-        """(slot, args, sampling params) of each active slot, in row order."""
-        return [(s, share_inputs["logits_processors_args"][s], share_inputs["sampling_params"][s])
-                for s in active_slots(share_inputs).tolist()]
+        self._fail_enabled(i, rows, message, failures)
 
     def _record_failure(self, i, error, rows, failures):
         name = self.names[i]
@@ -178,10 +246,18 @@ class LogitsProcessorPipeline:
         elif _is_power_of_ten(timing.failures):
             logger.error("logits processor %s has failed %d times; latest: %s: %s", name, timing.failures,
                          type(error).__name__, error)
-        message = f"logits processor {name} failed: {type(error).__name__}: {error}"
+        self._fail_enabled(i, rows, f"logits processor {name} failed: {type(error).__name__}: {error}", failures)
+
+    def _fail_enabled(self, i, rows, message, failures) -> None:
         for slot, args, params in rows:
             if type(self.processors[i]).is_enabled_by(args, params):
                 failures.setdefault(slot, message)
+
+
+def _active_rows(share_inputs: ShareInputs) -> list[tuple[int, LogitsProcessorArgs, object]]:
+    """(slot, args, sampling params) of each active slot, in row order."""
+    return [(s, share_inputs["logits_processors_args"][s], share_inputs["sampling_params"][s])
+            for s in active_slots(share_inputs).tolist()]
 
 
 def _is_power_of_ten(n: int) -> bool:

@@ -7,6 +7,7 @@ configuration names code: requests can switch registered processors on, never lo
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from .base import LogitsProcessor
 
@@ -17,6 +18,13 @@ BUILTIN_PROCESSORS: dict[str, str] = {
     "AllowedTokenIdsLogitsProcessor": "fastdeploy_lp.processors.builtin.allowed_token_ids",
     "ThinkingBudgetLogitsProcessor": "fastdeploy_lp.processors.builtin.thinking_budget",
     "ToolExecutionLogitsProcessor": "fastdeploy_lp.processors.builtin.tool_execution",
+}
+
+# `SamplingParams` fields that are applied by a built-in processor (the one named), in this order,
+# after the penalties; the request's value reads as that processor's key of the same name.
+SAMPLING_PARAMS_PROCESSORS: dict[str, str] = {
+    "logit_bias": "LogitBiasLogitsProcessor",
+    "bad_words": "BadWordsLogitsProcessor",
 }
 
 
@@ -51,6 +59,8 @@ def resolve_processor(name: str) -> type[LogitsProcessor]:
         raise _fail(name, f"module {module_name!r} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
         raise _fail(name, "not a subclass of fastdeploy_lp.processors.LogitsProcessor")
+    if inspect.isabstract(cls):
+        raise _fail(name, f"it does not implement {', '.join(sorted(cls.__abstractmethods__))}")
     return cls
 
 

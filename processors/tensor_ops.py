@@ -2,7 +2,8 @@
 
 Indices may be Python sequences, numpy arrays or Paddle tensors; processors that keep the same
 edits across steps build the tensors once with `index_tensor` (on the logits' device) and pass
-them in, so a step costs one kernel and no host-to-device copy.
+them in, so a step costs one kernel and no host-to-device copy. `gather_rows` moves per-row
+state to a new batch's rows when requests join or leave.
 """
 
 from __future__ import annotations
@@ -32,3 +33,17 @@ def fill_at(logits: paddle.Tensor, rows, cols, value: float = float("-inf")) -> 
         return logits
     index = (index_tensor(rows, logits), index_tensor(cols, logits))
     return logits.index_put_(index, paddle.full([1], value, dtype=logits.dtype))
+
+
+def gather_rows(tensor: paddle.Tensor, previous_rows, fill) -> paddle.Tensor:
+    """Per-row data re-indexed for a new batch (`BatchUpdate.previous_rows`): row i is the old row
+    `previous_rows[i]`, or all `fill` where that is -1 (a request that joined). One gather on the
+    tensor's device."""
+    previous_rows = np.asarray(previous_rows, dtype=np.int64)
+    joined = previous_rows < 0
+    if tensor.shape[0] == 0 or joined.all():
+        return paddle.full([len(previous_rows), *tensor.shape[1:]], fill, dtype=tensor.dtype)
+    out = paddle.index_select(tensor, index_tensor(np.maximum(previous_rows, 0), tensor))
+    if joined.any():
+        out[index_tensor(np.flatnonzero(joined), tensor)] = fill
+    return out

@@ -16,6 +16,13 @@ from pydantic import BaseModel
 
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.openai.logits_processor import LogitsProcessor
+from fastdeploy_lp.processors import AddedRequest, BatchTracker, BatchUpdate, ShareInputs
+from fastdeploy_lp.processors.builtin.allowed_token_ids import AllowedTokenIdsLogitsProcessor
+from fastdeploy_lp.processors.builtin.bad_words import BadWordsLogitsProcessor
+from fastdeploy_lp.processors.builtin.logit_bias import LogitBiasLogitsProcessor
+from fastdeploy_lp.processors.builtin.no_repeat_ngram import NoRepeatNGramLogitsProcessor
+from fastdeploy_lp.processors.builtin.thinking_budget import ThinkingBudgetLogitsProcessor
+from fastdeploy_lp.processors.tensor_ops import gather_rows
 
 
 # -- The FastDeploy documentation's example, ported by renaming `fastdeploy` to `fastdeploy_lp`. --
@@ -177,4 +184,77 @@ class HostileLogitsProcessor(LogitsProcessor):
         for row, a in enumerate(self._active):
             if a.write:
                 logits[row] = float(a.write)
+        return logits
+
+
+# -- The typed contract: per-row state kept in step with BatchUpdates --------------------------------
+class TypedBiasArgs(BaseModel):
+    typed_token: int | None = None
+
+
+class TypedBiasLogitsProcessor(LogitsProcessor):
+    """Adds 2000 to `typed_token` of each enabled row, written against the typed contract:
+    one `[rows, vocab]` bias tensor whose rows follow the batch (`gather_rows` when rows move; only
+    joining rows are written). Records the changes it saw."""
+
+    args_model = TypedBiasArgs
+
+    def __init__(self, fd_config: FDConfig) -> None:
+        super().__init__(fd_config)
+        self.batch = BatchTracker()
+        self.bias = paddle.zeros([0, fd_config.model_config.vocab_size])
+        self.updates: list[BatchUpdate] = []
+
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        update = self.batch.update(share_inputs)
+        if not update.changed:
+            return
+        self.updates.append(update)
+        self.bias = gather_rows(self.bias, update.previous_rows, fill=0.0)
+        for request in update.added:
+            if request.args.typed_token is not None:
+                self.bias[request.row, request.args.typed_token] = 2000.0
+
+    def apply(self, logits: Tensor) -> Tensor:
+        rows = paddle.nonzero(self.bias.abs().sum(axis=1)).flatten()
+        if rows.shape[0]:
+            logits[rows] = paddle.index_select(logits, rows) + paddle.index_select(self.bias, rows)
+        return logits
+
+
+# -- The built-ins, counting the per-request state they build (`entries`, called when a request joins) --
+class _CountBuilds:
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        self.built: list[str] = []  # request ids, in build order
+
+    def entries(self, request: AddedRequest):
+        self.built.append(request.req_id)
+        return super().entries(request)
+
+
+class CountingLogitBias(_CountBuilds, LogitBiasLogitsProcessor):
+    pass
+
+
+class CountingBadWords(_CountBuilds, BadWordsLogitsProcessor):
+    pass
+
+
+class CountingNoRepeatNGram(_CountBuilds, NoRepeatNGramLogitsProcessor):
+    pass
+
+
+class CountingAllowedTokenIds(_CountBuilds, AllowedTokenIdsLogitsProcessor):
+    pass
+
+
+class CountingThinkingBudget(_CountBuilds, ThinkingBudgetLogitsProcessor):
+    pass
+
+
+class MissingUpdateState(LogitsProcessor):
+    """Subclasses the base but leaves out the abstract `update_state`: refused at start-up."""
+
+    def apply(self, logits):
         return logits

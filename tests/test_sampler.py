@@ -81,15 +81,17 @@ def test_penalties_match_reference(logits_row):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_min_tokens_bias_and_bad_words_stage():
+def test_min_tokens_stage():
+    """EOS and stop tokens are banned until min_tokens. (SamplingParams.logit_bias and bad_words run
+    through the built-in processors: test_processors_contract.py checks that stage.)"""
     sampler = Sampler(2, V, eos_token_ids=[0])
     r = _request(0, output=[5], min_tokens=2, stop_token_ids=[7], logit_bias={3: 2.5})
-    r.bad_word_ids = [[9], [5, 6]]  # 9 always banned; 6 banned right after 5
-    got = sampler._apply_bias_and_bans(paddle.zeros([1, V]), [r]).numpy()[0]
+    got = sampler._apply_min_tokens(paddle.zeros([1, V]), [r]).numpy()[0]
     expected = np.zeros(V)
-    expected[3] = 2.5
-    expected[[0, 7, 9, 6]] = -np.inf
+    expected[[0, 7]] = -np.inf
     np.testing.assert_array_equal(got, expected)
+    r.output_ids = [5, 6]  # min_tokens reached: nothing is banned
+    assert not sampler._apply_min_tokens(paddle.zeros([1, V]), [r]).numpy().any()
 
 
 def test_greedy_rows_take_argmax_and_logprobs_are_normalised(logits_row):

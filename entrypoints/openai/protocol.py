@@ -191,18 +191,6 @@ class _SamplingRequest(BaseModel):
     guided_decoding_backend: str | None = Field(
         None, description="A backend loaded with --custom-guided-decoding-backends, or 'llguidance'.")
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_keys_and_range(cls, value):
-        if value is None:
-            return value
-        for key, bias in value.items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids (decimal digits), got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias!r}")
-        return value
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
@@ -327,7 +315,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output), seed=self.seed, logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=self.logit_bias or None,  # validated by SamplingParams (and its check_vocab at admission)
             bad_words=self.bad_words, logits_processors_args=self.logits_processors_args, guided_decoding=guided)
 
 

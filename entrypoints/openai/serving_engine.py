@@ -47,8 +47,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_aliases = model_aliases | set(served_model_names)
         self.generation_defaults = dict(engine.engine.fd_config.model_config.generation_defaults)
-        self.guided_available = any(type(p).__name__ == "GuidedDecodingLogitsProcessor"
-                                    for p in engine.engine.pipeline.processors)
+        self.guided_available = engine.engine.pipeline.serves_guided_decoding
 
     @property
     def model_name(self) -> str:

@@ -1,9 +1,10 @@
 """Turning the processed logits of a batch into one token per row.
 
-Order (DESIGN.md): penalties (repetition over prompt+output, frequency/presence over output) →
-logit_bias → min_tokens / bad words → temperature → min_p → top-k/top-p → sample. Everything is
-batched on the logits' device; the only host transfer is the sampled ids (and the logprobs of
-requests that ask for them).
+Order (docs/logits_processors.md, "Where in sampling"): penalties (`apply_penalties`: repetition
+over prompt+output, frequency/presence over output) → [the engine applies `SamplingParams.logit_bias`
+and `bad_words` here, through the built-in processors] → `sample`: min_tokens → temperature →
+min_p → top-k/top-p → sample. Everything is batched on the logits' device; the only host transfer
+is the sampled ids (and the logprobs of requests that ask for them).
 
 Sampling is inverse-CDF with one uniform number per row drawn from the request's own generator,
 so a request with a seed produces the same text whatever else shares its batch.
@@ -18,7 +19,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ..processors.builtin.bad_words import banned_next_tokens
 from ..processors.tensor_ops import add_at, fill_at
 from .request import Logprob, Request
 
@@ -66,7 +66,7 @@ class Sampler:
         self._ones: paddle.Tensor | None = None  # [vocab, 1], for the row sums of the NaN/-inf check
 
     def on_admit(self, request: Request) -> None:
-        """Reset the penalty state of the request's slot."""
+        """Set the penalty state of the request's slot from its prompt and output."""
         self.flush_counts()
         if not _uses_penalties(request):
             return
@@ -74,7 +74,9 @@ class Sampler:
             self._counts = paddle.zeros([self.max_num_seqs, self.vocab_size], dtype="float32")
             self._in_prompt = paddle.zeros([self.max_num_seqs, self.vocab_size], dtype="bool")
         prompt = np.bincount(np.asarray(request.prompt_ids, dtype=np.int64), minlength=self.vocab_size) > 0
-        self._counts[request.slot] = paddle.zeros([self.vocab_size], dtype="float32")
+        # A request resuming after preemption joins with its output so far.
+        counts = np.bincount(np.asarray(request.output_ids, dtype=np.int64), minlength=self.vocab_size)
+        self._counts[request.slot] = paddle.to_tensor(counts[: self.vocab_size].astype(np.float32))
         self._in_prompt[request.slot] = paddle.to_tensor(prompt[: self.vocab_size])
 
     def sample(self, logits: paddle.Tensor, requests: list[Request]) -> SampleResult:
@@ -96,9 +98,7 @@ class Sampler:
         return SampleResult(tokens, logprobs, failures)
 
     def _sample(self, logits, requests, greedy, uniforms):
-        logits = logits.astype("float32")
-        logits = self._apply_penalties(logits, requests)
-        logits = self._apply_bias_and_bans(logits, requests)
+        logits = self._apply_min_tokens(logits.astype("float32"), requests)
         argmax = paddle.argmax(logits, axis=-1)
         if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
             self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
@@ -133,6 +133,12 @@ class Sampler:
         return SampleResult(tokens, logprobs, failures)
 
     # -- stages -----------------------------------------------------------------------------------
+    def apply_penalties(self, logits: paddle.Tensor, requests: list[Request]) -> paddle.Tensor:
+        """The repetition, frequency and presence penalties of each row's request (float32 logits);
+        the first stage after the registered processors."""
+        self.flush_counts()
+        return self._apply_penalties(logits.astype("float32"), requests)
+
     def _apply_penalties(self, logits, requests):
         rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
         if not rows:
@@ -150,24 +156,16 @@ class Sampler:
         part = part - freq * counts - pres * (counts > 0).astype("float32")
         return paddle.scatter(logits, row_index, part, overwrite=True)
 
-    def _apply_bias_and_bans(self, logits, requests):
-        bias_rows, bias_cols, bias_vals, ban_rows, ban_cols = [], [], [], [], []
+    def _apply_min_tokens(self, logits, requests):
+        """EOS and the stop token ids are banned until a request has `min_tokens` tokens."""
+        ban_rows, ban_cols = [], []
         for i, r in enumerate(requests):
             p = r.params
-            for token, bias in (p.logit_bias or {}).items():
-                bias_rows.append(i)
-                bias_cols.append(token)
-                bias_vals.append(bias)
-            banned = set()
-            if len(r.output_ids) < p.min_tokens:
-                banned.update(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned.update(self.eos_token_ids)
-            if r.bad_word_ids:
-                banned.update(banned_next_tokens(r.recent_tokens(r.max_bad_word_len - 1), r.bad_word_ids))
+            if len(r.output_ids) >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             ban_rows += [i] * len(banned)
             ban_cols += sorted(banned)
-        logits = add_at(logits, bias_rows, bias_cols, bias_vals)
         return fill_at(logits, ban_rows, ban_cols)
 
     def _draw(self, logits, requests, uniforms):

@@ -9,9 +9,13 @@ A one-token word is banned outright. A longer sequence is banned only as a whole
 (prompt and output) ends with the rest of it. Each word is banned as written and with a leading
 space, since tokenizers spell a word differently mid-sentence.
 
-The sequences of the batch form one table, rebuilt when a request joins or leaves. Each step
-compares the table's prefixes with the last tokens of each row (a `TokenHistory` tail, never the
-whole prompt) in one numpy operation, and masks the banned tokens in one indexed write.
+The sequences of the batch form `RowEntries` tables: a request's words are tokenized when it
+joins, the others only move to their new rows. Each step compares the prefixes with the last
+tokens of each row (a `TokenHistory` tail, never the whole prompt) in one numpy operation, and
+masks the banned tokens in one indexed write.
+
+The engine also runs this processor for `SamplingParams.bad_words`, after the penalties; see
+`LogitsProcessorPipeline`.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..base import LogitsProcessor, active_slots, batch_key
-from ..tensor_ops import fill_at, index_tensor
+from ..base import AddedRequest, LogitsProcessor, ShareInputs
+from ..batch_state import BatchTracker, RowEntries
+from ..tensor_ops import fill_at
 from ..token_history import TokenHistory
 from ..validation import check_token_ids
 
 StrictInt = Annotated[int, Field(strict=True)]
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class BadWordsArgs(BaseModel):
@@ -67,60 +73,80 @@ def banned_next_tokens(history: list[int], sequences: list[list[int]]) -> list[i
 
 
 class BadWordsLogitsProcessor(LogitsProcessor):
+    """Never generates the given words or token sequences, per request.
+
+    A one-token word is banned outright. A longer one is banned only as a whole, as `transformers`'
+    `NoBadWordsLogitsProcessor` does: its last token is masked when the text so far (prompt and
+    output) ends with the rest of it. Each word is banned as written and with a leading space,
+    since tokenizers spell a word differently mid-sentence.
+
+    Args:
+        bad_words (`list[str]`, *optional*):
+            Words never to generate (non-empty strings), each also banned with a leading space.
+        bad_words_token_ids (`list[list[int]]`, *optional*):
+            Token sequences never to generate, each banned only as a whole; ids must be in the
+            vocabulary. Both keys are read per request from `logits_processors_args`.
+
+    Examples:
+
+    ```python
+    >>> from fastdeploy_lp import LLM, SamplingParams
+    >>> llm = LLM(logits_processors=["BadWordsLogitsProcessor"])  # the built-in default model
+    >>> question = [{"role": "user", "content": "What is the capital of France?"}]
+    >>> params = SamplingParams(temperature=0, max_tokens=16,
+    ...                         logits_processors_args={"bad_words": ["Paris"]})
+    >>> "Paris" in llm.chat(question, params, use_tqdm=False)[0].outputs.text
+    False
+
+    ```
+    """
     args_model = BadWordsArgs
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
+        self._batch = BatchTracker()
         self._history = TokenHistory()
-        self._key = None
-        self._single = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (rows, ids) banned whatever the history
-        self._single_tensors = None       # the same on the logits' device, built at the first apply
-        self._multi = None                # slots, rows, right-aligned prefixes [M, K] (-2 = none), last ids
-        self._hits = self._single         # (rows, ids) of multi-token sequences completed this step
+        self._single = RowEntries()          # (row, token) banned whatever the history
+        self._multi = RowEntries(prefix=-2)  # (row, last token, right-aligned prefix; -2 = none)
+        self._hits = (_EMPTY, _EMPTY)        # (rows, tokens) of multi-token sequences completed this step
 
-    def update_state(self, share_inputs):
-        slots = active_slots(share_inputs)
-        key = batch_key(share_inputs, slots)
-        if key != self._key:
-            self._rebuild(share_inputs, slots)
-            self._key = key
-        if self._multi is None:
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        update = self._batch.update(share_inputs)
+        if update.changed:
+            built = {request.slot: self.entries(request) for request in update.added}
+            self._single.update(update, lambda request: _part(built[request.slot], single=True))
+            self._multi.update(update, lambda request: _part(built[request.slot], single=False))
+        self._hits = (_EMPTY, _EMPTY)
+        if not len(self._multi):
             return
-        m_slots, m_rows, prefixes, last = self._multi
-        self._history.update(share_inputs, np.unique(m_slots))
-        tails = self._history.tails(m_slots, prefixes.shape[1])
+        slots, prefixes = self._multi.slots, self._multi.columns["prefix"]
+        self._history.update(share_inputs, np.unique(slots))
+        tails = self._history.tails(slots, prefixes.shape[1])
         hit = np.all((tails == prefixes) | (prefixes == -2), axis=1)
-        self._hits = (m_rows[hit], last[hit])
+        self._hits = (self._multi.rows[hit], self._multi.columns["token"][hit])
 
-    def _rebuild(self, share_inputs, slots):
-        rows, singles, multi = [], [], []
-        for row, slot in enumerate(slots):
-            args = share_inputs["logits_processors_args"][slot]
-            if not (args.bad_words or args.bad_words_token_ids):
-                continue
-            seqs = word_sequences(self.fd_config.tokenizer, args.bad_words or []) + list(args.bad_words_token_ids or [])
-            for seq in seqs:
-                if len(seq) == 1:
-                    rows.append(row)
-                    singles.append(seq[0])
-                else:
-                    multi.append((slot, row, seq))
-        self._single = (np.array(rows, np.int64), np.array(singles, np.int64))
-        self._single_tensors = None
-        self._hits = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        if not multi:
-            self._multi = None
-            return
-        width = max(len(seq) for _, _, seq in multi) - 1
-        prefixes = np.full((len(multi), width), -2, dtype=np.int64)
-        for i, (_, _, seq) in enumerate(multi):
+    def entries(self, request: AddedRequest) -> dict[str, np.ndarray] | None:
+        """A joining request's banned sequences (tokenized once per request): the last token of
+        each, and the tokens before it, right-aligned (-2 = none)."""
+        args = request.args
+        seqs = word_sequences(self.fd_config.tokenizer, args.bad_words or []) + list(args.bad_words_token_ids or [])
+        if not seqs:
+            return None
+        width = max(len(seq) for seq in seqs) - 1
+        prefixes = np.full((len(seqs), width), -2, dtype=np.int64)
+        for i, seq in enumerate(seqs):
             prefixes[i, width - len(seq) + 1:] = seq[:-1]
-        self._multi = (np.array([m[0] for m in multi]), np.array([m[1] for m in multi]), prefixes,
-                       np.array([m[2][-1] for m in multi], np.int64))
+        return {"token": np.array([seq[-1] for seq in seqs], np.int64), "prefix": prefixes}
 
     def apply(self, logits):
-        if len(self._single[0]):
-            if self._single_tensors is None:
-                self._single_tensors = tuple(index_tensor(x, logits) for x in self._single)
-            fill_at(logits, *self._single_tensors)
+        if len(self._single):
+            fill_at(logits, *self._single.on_device(logits, "token"))
         return fill_at(logits, *self._hits)
+
+
+def _part(entries: dict[str, np.ndarray] | None, single: bool) -> dict[str, np.ndarray] | None:
+    """The one-token sequences of a request's entries, or the longer ones (with their prefixes)."""
+    if entries is None:
+        return None
+    pick = np.all(entries["prefix"] == -2, axis=1) == single
+    return {"token": entries["token"][pick]} if single else {k: v[pick] for k, v in entries.items()}

@@ -6,7 +6,11 @@ Request:
 
 Keys are token ids (JSON strings are accepted, as in the OpenAI API); values are finite numbers.
 A large positive bias forces a token, a large negative one bans it. The biases of the whole batch
-are one index tensor, rebuilt only when a request joins or leaves; a step is one indexed add.
+are one `RowEntries` table: a request's entries are built when it joins, the others only move to
+their new rows; a step is one indexed add.
+
+The engine also runs this processor for `SamplingParams.logit_bias` (OpenAI's field), after the
+penalties; see `LogitsProcessorPipeline`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..base import LogitsProcessor, active_slots, batch_key
-from ..tensor_ops import add_at, index_tensor
+from ..base import AddedRequest, LogitsProcessor, ShareInputs
+from ..batch_state import BatchTracker, RowEntries
+from ..tensor_ops import add_at
 from ..validation import check_token_ids
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -41,34 +46,54 @@ class LogitBiasArgs(BaseModel):
 
 
 class LogitBiasLogitsProcessor(LogitsProcessor):
+    """Adds a fixed bias to chosen token ids, per request.
+
+    A large positive bias makes a token (nearly) certain, a large negative one bans it; rows of
+    requests that set no `logit_bias` are left untouched. Unlike the OpenAI `logit_bias` field
+    (clamped to [-100, 100]), any finite float32 bias is accepted.
+
+    Args:
+        logit_bias (`dict[int, float]`, *optional*):
+            Token id -> bias added to that token's logit at every step. Ids must be in the
+            vocabulary (JSON string keys such as `"128"` are accepted, as in the OpenAI API);
+            biases must be finite float32 numbers. Read per request from `logits_processors_args`.
+
+    Examples:
+
+    ```python
+    >>> from fastdeploy_lp import LLM, SamplingParams
+    >>> llm = LLM(logits_processors=["LogitBiasLogitsProcessor"])  # the built-in default model
+    >>> question = [{"role": "user", "content": "What is the capital of France?"}]
+    >>> paris = llm.tokenizer.encode(" Paris")[0]
+    >>> params = SamplingParams(temperature=0, max_tokens=16,
+    ...                         logits_processors_args={"logit_bias": {paris: -100.0}})
+    >>> "Paris" in llm.chat(question, params, use_tqdm=False)[0].outputs.text
+    False
+
+    ```
+
+    Online: `--logits-processors LogitBiasLogitsProcessor`, then
+    `{"logits_processors_args": {"logit_bias": {"1844": -100}}}` in the request body.
+    """
     args_model = LogitBiasArgs
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
-        self._key = None
-        self._edits: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # rows, token ids, biases
-        self._tensors = None  # the same on the logits' device, built at the first apply
+        self._batch = BatchTracker()
+        self._biases = RowEntries()  # (row, token id, bias) of every enabled request
 
-    def update_state(self, share_inputs):
-        slots = active_slots(share_inputs)
-        key = batch_key(share_inputs, slots)
-        if key == self._key:  # biases are fixed per request: rebuild only when the batch changes
-            return
-        rows, cols, values = [], [], []
-        for row, slot in enumerate(slots):
-            bias = share_inputs["logits_processors_args"][slot].logit_bias or {}
-            rows += [row] * len(bias)
-            cols += [int(t) for t in bias]
-            values += [float(b) for b in bias.values()]
-        self._edits = (np.array(rows, np.int64), np.array(cols, np.int64), np.array(values, np.float32))
-        self._tensors = None
-        self._key = key
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        self._biases.update(self._batch.update(share_inputs), self.entries)
+
+    def entries(self, request: AddedRequest) -> dict[str, np.ndarray] | None:
+        """A joining request's biases (built once per request)."""
+        bias = request.args.logit_bias
+        if not bias:
+            return None
+        return {"token": np.fromiter(bias.keys(), np.int64, len(bias)),
+                "bias": np.fromiter(bias.values(), np.float32, len(bias))}
 
     def apply(self, logits):
-        if self._edits is None or len(self._edits[0]) == 0:
+        if not len(self._biases):
             return logits
-        if self._tensors is None:
-            rows, cols, values = self._edits
-            self._tensors = (index_tensor(rows, logits), index_tensor(cols, logits),
-                             index_tensor(values, logits, logits.dtype))
-        return add_at(logits, *self._tensors)
+        return add_at(logits, *self._biases.on_device(logits, "token", "bias"))

@@ -23,7 +23,8 @@ import numpy as np
 import paddle
 from pydantic import BaseModel, Field
 
-from ..base import LogitsProcessor, active_slots, batch_key
+from ..base import AddedRequest, LogitsProcessor, ShareInputs
+from ..batch_state import BatchTracker, RowEntries
 from ..tensor_ops import index_tensor
 from ..token_history import TokenHistory
 
@@ -34,30 +35,57 @@ class NoRepeatNGramArgs(BaseModel):
 
 
 class NoRepeatNGramLogitsProcessor(LogitsProcessor):
+    """Never repeats an n-gram of the text so far, per request.
+
+    As `transformers`' `NoRepeatNGramLogitsProcessor`: the n-grams are those of the prompt and the
+    output together (one spanning the prompt/output boundary counts), and a token is banned when it
+    would complete an n-gram that already occurs. With n=1 every token seen so far is banned.
+
+    Args:
+        no_repeat_ngram_size (`int`, *optional*):
+            n (>= 1): no n-gram of prompt + output may occur twice. Read per request from
+            `logits_processors_args`.
+
+    Examples:
+
+    ```python
+    >>> from fastdeploy_lp import LLM, SamplingParams
+    >>> llm = LLM(logits_processors=["NoRepeatNGramLogitsProcessor"])  # the built-in default model
+    >>> question = [{"role": "user", "content": "Tell me about Paris."}]
+    >>> greedy = SamplingParams(temperature=0, max_tokens=24)
+    >>> "Paris." in llm.chat(question, greedy, use_tqdm=False)[0].outputs.text
+    True
+    >>> params = SamplingParams(temperature=0, max_tokens=24,
+    ...                         logits_processors_args={"no_repeat_ngram_size": 2})
+    >>> "Paris." in llm.chat(question, params, use_tqdm=False)[0].outputs.text  # a 2-gram of the prompt
+    False
+
+    ```
+    """
     args_model = NoRepeatNGramArgs
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
+        self._batch = BatchTracker()
         self._history = TokenHistory(device=True)
-        self._key = None
+        self._sizes = RowEntries()  # (row, n) of every enabled request
         self._groups: list[tuple[int, np.ndarray, np.ndarray]] = []  # (n, rows, slots) per distinct n
         self._slots = np.zeros(0, np.int64)
         self._group_tensors = None
 
-    def update_state(self, share_inputs):
-        slots = active_slots(share_inputs)
-        key = batch_key(share_inputs, slots)
-        if key != self._key:
-            sizes = {}
-            for row, slot in enumerate(slots):
-                n = share_inputs["logits_processors_args"][slot].no_repeat_ngram_size
-                if n is not None:
-                    sizes.setdefault(int(n), []).append((row, slot))
-            self._groups = [(n, np.array([r for r, _ in rs]), np.array([s for _, s in rs])) for n, rs in sizes.items()]
-            self._slots = np.array(sorted(s for _, _, g in self._groups for s in g), dtype=np.int64)
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        if self._sizes.update(self._batch.update(share_inputs), self.entries):
+            sizes = self._sizes.columns.get("n", np.zeros(0, np.int64))
+            self._groups = [(int(n), self._sizes.rows[sizes == n], self._sizes.slots[sizes == n])
+                            for n in np.unique(sizes)]
+            self._slots = np.sort(self._sizes.slots)
             self._group_tensors = None
-            self._key = key
         self._history.update(share_inputs, self._slots)
+
+    def entries(self, request: AddedRequest) -> dict[str, np.ndarray] | None:
+        """A joining request's n (its history is copied by `TokenHistory` when it joins)."""
+        n = request.args.no_repeat_ngram_size
+        return None if n is None else {"n": np.array([n], dtype=np.int64)}
 
     def apply(self, logits):
         if self._group_tensors is None:

@@ -12,8 +12,9 @@ A request whose prompt or output already closed thinking (`</think>` after the l
 left alone. The markers are the tokenizer's `<think>`/`</think>` tokens, or the tokens that spell
 them when the vocabulary has no such tokens.
 
-State is per slot (numpy), set from the whole history when a request joins and advanced one token
-a step, for all rows at once, by comparing the tail of each row with the markers.
+State is per slot (numpy), set from the whole history when a request joins (the only per-request
+work; the others' rows are re-indexed) and advanced one token a step, for all rows at once, by
+comparing the tail of each row with the markers.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
-from ..base import LogitsProcessor, active_slots, batch_key
+from ..base import AddedRequest, LogitsProcessor, ShareInputs
+from ..batch_state import BatchTracker, RowEntries
 from ..tensor_ops import fill_at, index_tensor
 from ..token_history import TokenHistory
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class ThinkingBudgetArgs(BaseModel):
@@ -58,6 +62,36 @@ def last_end(history: np.ndarray, marker: list[int]) -> int:
 
 
 class ThinkingBudgetLogitsProcessor(LogitsProcessor):
+    """Caps how long a reasoning model thinks, per request.
+
+    For models whose template wraps reasoning in `<think>` ... `</think>`. Once `thinking_budget`
+    tokens were generated since `<think>` opened (in the prompt or in the output), it forces the
+    tokens of `think_stop_sentence` (if given) and then `</think>`, one per step. A request whose
+    prompt or output already closed thinking is left alone. The markers are the tokenizer's
+    `<think>`/`</think>` tokens, or the tokens that spell them.
+
+    Args:
+        thinking_budget (`int`, *optional*):
+            Most tokens (>= 0) generated inside `<think>` before `</think>` is forced.
+        think_stop_sentence (`str`, *optional*):
+            Text forced before `</think>` once the budget is spent; needs `thinking_budget`.
+            Both keys are read per request from `logits_processors_args`.
+
+    Examples:
+
+    ```python
+    >>> from fastdeploy_lp import LLM, SamplingParams
+    >>> llm = LLM(logits_processors=["ThinkingBudgetLogitsProcessor"])  # the built-in default model
+    >>> question = [{"role": "user", "content": "What is 17 times 23?"}]
+    >>> params = SamplingParams(temperature=0, max_tokens=40, logits_processors_args={
+    ...     "thinking_budget": 5, "think_stop_sentence": " Time to answer."})
+    >>> text = llm.chat(question, params, chat_template_kwargs={"enable_thinking": True},
+    ...                 use_tqdm=False)[0].outputs.text
+    >>> text.split("</think>")[0].endswith(" Time to answer.")
+    True
+
+    ```
+    """
     args_model = ThinkingBudgetArgs
 
     def __init__(self, fd_config):
@@ -65,63 +99,46 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
         tokenizer = fd_config.tokenizer
         self._open = np.array(marker_ids(tokenizer, "<think>"), np.int64)
         self._close = np.array(marker_ids(tokenizer, "</think>"), np.int64)
+        self._batch = BatchTracker()
         self._history = TokenHistory()
-        self._key = None
-        self._rows = self._slots = self._budget = np.zeros(0, np.int64)
-        self._forced = np.zeros((0, 1), np.int64)  # per enabled row: stop sentence + </think>, -1 padded
-        self._forced_len = np.zeros(0, np.int64)
-        self._owner: list = []  # per slot: the request whose state the arrays below hold
-        self._opened = self._seen = np.zeros(0, np.int64)  # per slot: output index where thinking began (-1)
+        self._budgets = RowEntries(forced=-1)  # per enabled request: budget; stop sentence + </think>, right-aligned
+        self._opened = self._seen = _EMPTY  # per slot: output index where thinking began (-1); tokens seen
         self._closed = np.zeros(0, bool)
-        self._force = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (rows, token) to force this step
+        self._force = (_EMPTY, _EMPTY)  # (rows, token) to force this step
 
-    def update_state(self, share_inputs):
-        slots = active_slots(share_inputs)
-        key = batch_key(share_inputs, slots)
-        if key != self._key:
-            self._rebuild(share_inputs, slots)
-            self._key = key
-        self._force = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        if len(self._slots) == 0:
-            return
-        self._history.update(share_inputs, self._slots)
-        step_idx = share_inputs["step_idx"]
-        grew = step_idx[self._slots] - self._seen[self._slots]
-        for slot in self._slots[(grew != 0) & (grew != 1)]:  # rare: several tokens since the last step
-            self._scan(share_inputs, slot)
-        self._advance(self._slots[grew == 1], step_idx)
-        step, opened = step_idx[self._slots], self._opened[self._slots]
-        done = step - opened - self._budget  # forced tokens emitted so far, once the budget is spent
-        force = np.flatnonzero((opened >= 0) & ~self._closed[self._slots] & (done >= 0) & (done < self._forced_len))
-        self._force = (self._rows[force], self._forced[force, done[force]])
-
-    def _rebuild(self, share_inputs, slots):
-        n = len(share_inputs["stop_flags"])
-        if len(self._owner) != n:
-            self._owner = [None] * n
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        update = self._batch.update(share_inputs)
+        if len(self._closed) != len(share_inputs["stop_flags"]):
+            n = len(share_inputs["stop_flags"])
             self._opened, self._seen, self._closed = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-        rows, enabled, budgets, forced = [], [], [], []
-        for row, slot in enumerate(slots):
-            args = share_inputs["logits_processors_args"][slot]
-            if args.thinking_budget is None:
-                continue
-            rows.append(row)
-            enabled.append(slot)
-            budgets.append(int(args.thinking_budget))
-            sentence = self.fd_config.tokenizer.encode(args.think_stop_sentence) if args.think_stop_sentence else []
-            forced.append(list(sentence) + self._close.tolist())
-        self._rows, self._slots = np.array(rows, np.int64), np.array(enabled, np.int64)
-        self._budget = np.array(budgets, np.int64)
-        self._forced_len = np.array([len(f) for f in forced], np.int64)
-        self._forced = np.full((len(forced), max(self._forced_len, default=1)), -1, np.int64)
-        for i, f in enumerate(forced):
-            self._forced[i, : len(f)] = f
-        self._history.update(share_inputs, self._slots)
-        for slot in self._slots:  # a request new to its slot: read its state from the whole history
-            owner = int(share_inputs["admission_ids"][slot])
-            if self._owner[slot] != owner:
-                self._owner[slot] = owner
-                self._scan(share_inputs, slot)
+        self._budgets.update(update, self.entries)
+        self._force = (_EMPTY, _EMPTY)
+        slots = self._budgets.slots
+        if len(slots) == 0:
+            return
+        self._history.update(share_inputs, slots)
+        for slot in np.intersect1d([r.slot for r in update.added], slots):  # joined: read the whole history
+            self._scan(share_inputs, slot)
+        step_idx = share_inputs["step_idx"]
+        grew = step_idx[slots] - self._seen[slots]
+        for slot in slots[(grew != 0) & (grew != 1)]:  # rare: several tokens since the last step
+            self._scan(share_inputs, slot)
+        self._advance(slots[grew == 1], step_idx)
+        budget, count, forced = (self._budgets.columns[k] for k in ("budget", "count", "forced"))
+        step, opened = step_idx[slots], self._opened[slots]
+        done = step - opened - budget  # forced tokens emitted so far, once the budget is spent
+        force = np.flatnonzero((opened >= 0) & ~self._closed[slots] & (done >= 0) & (done < count))
+        self._force = (self._budgets.rows[force], forced[force, forced.shape[1] - count[force] + done[force]])
+
+    def entries(self, request: AddedRequest) -> dict[str, np.ndarray] | None:
+        """A joining request's budget and the tokens it forces once the budget is spent."""
+        args = request.args
+        if args.thinking_budget is None:
+            return None
+        sentence = self.fd_config.tokenizer.encode(args.think_stop_sentence) if args.think_stop_sentence else []
+        forced = list(sentence) + self._close.tolist()
+        return {"budget": np.array([args.thinking_budget], np.int64), "count": np.array([len(forced)], np.int64),
+                "forced": np.array([forced], np.int64)}
 
     def _scan(self, share_inputs, slot):
         """Set the slot's state from its whole history (when it joins)."""

@@ -22,11 +22,13 @@ import ast
 import concurrent.futures
 import importlib
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 from pydantic import BaseModel, Field
 
-from ..base import LogitsProcessor
+from ..base import LogitsProcessor, ShareInputs
+from ..batch_state import BatchTracker
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,49 @@ def parse_call(text: str) -> tuple[str, list, dict]:
     return node.func.id, args, kwargs
 
 
+@dataclass
+class _SlotCalls:
+    settings: ToolExecutionArgs
+    scanned: int  # output tokens already searched for calls
+
+
 class ToolExecutionLogitsProcessor(LogitsProcessor):
+    """Runs the tool calls a model writes and splices their results into the output.
+
+    For RL rollouts (the verl/vLLM pattern): when a request's generated text closes a call such as
+    `<function>multiply(3, 302)</function>`, the named function from the operator's registry
+    (`LLM(tool_functions=...)`, `--tool-functions pkg.module:REGISTRY`; never named by a request)
+    runs with a time limit, and `<results>906</results>` is forced into the output before
+    generation goes on. Arguments are Python literals only. Errors (unknown function, bad
+    arguments, an exception, a time-out) become the result text.
+
+    Args:
+        tool_execution (`bool`, *optional*):
+            True enables the processor for the request.
+        tool_call_start (`str`, *optional*, defaults to `"<function>"`):
+            The text that opens a call.
+        tool_call_end (`str`, *optional*, defaults to `"</function>"`):
+            The text that closes a call (and runs it).
+        tool_timeout (`float`, *optional*, defaults to 5.0):
+            Seconds (0 < t <= 60) a call may take before its result is a time-out error. All four
+            keys are read per request from `logits_processors_args`.
+
+    Examples:
+
+    A regex constraint stands in for a model trained to write calls:
+
+    ```python
+    >>> from fastdeploy_lp import LLM, GuidedDecodingParams, SamplingParams
+    >>> llm = LLM(logits_processors=["ToolExecutionLogitsProcessor"],
+    ...           tool_functions={"multiply": lambda a, b: a * b})  # the built-in default model
+    >>> call = GuidedDecodingParams(regex="<function>multiply[(]3, 302[)]</function>(<results>[0-9]+</results>)?")
+    >>> params = SamplingParams(temperature=0, max_tokens=40, guided_decoding=call,
+    ...                         logits_processors_args={"tool_execution": True})
+    >>> llm.generate("What is 3 times 302?", params, use_tqdm=False)[0].outputs.text
+    '<function>multiply(3, 302)</function><results>906</results>'
+
+    ```
+    """
     args_model = ToolExecutionArgs
     argmax_invariant = True  # it never edits logits: results arrive as forced tokens
 
@@ -80,38 +124,38 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
         super().__init__(fd_config)
         self.functions = getattr(fd_config, "tool_functions", None) or {}
         self.tokenizer = fd_config.tokenizer
-        self._scanned: dict[str, int] = {}  # request id -> output tokens already searched for calls
-        self._settings: dict[str, ToolExecutionArgs] = {}
+        self._batch = BatchTracker()
+        self._calls: dict[int, _SlotCalls] = {}  # per enabled slot: its settings, output already searched
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tool-call")
 
-    def update_state(self, share_inputs):
-        live = set()
-        for slot, stopped in enumerate(share_inputs["stop_flags"]):
-            args = share_inputs["logits_processors_args"][slot]
-            if stopped or not args.tool_execution:
-                continue
-            rid = share_inputs["req_ids"][slot]
-            live.add(rid)
-            if rid not in self._settings:  # the args hold only the keys the request set; add defaults
-                self._settings[rid] = ToolExecutionArgs.model_validate(
-                    {k: v for k, v in args.items() if k in ToolExecutionArgs.model_fields and v is not None})
-            settings = self._settings[rid]
-            output = share_inputs["output_ids"][slot]
-            start = self._scanned.get(rid, 0)
-            text = self.tokenizer.decode(output[start:])
-            end = text.find(settings.tool_call_end)
-            if end < 0:
-                continue
-            opened = text.rfind(settings.tool_call_start, 0, end)
-            if opened < 0:  # a stray end marker: not a call, look past it next time
-                self._scanned[rid] = len(output)
-                continue
-            call = text[opened + len(settings.tool_call_start):end]
-            result = self.tokenizer.encode(f"<results>{self._run(call, settings.tool_timeout)}</results>")
-            share_inputs["forced_tokens"][slot].extend(result)
-            self._scanned[rid] = len(output) + len(result)
-        self._scanned = {k: v for k, v in self._scanned.items() if k in live}
-        self._settings = {k: v for k, v in self._settings.items() if k in live}
+    def update_state(self, share_inputs: ShareInputs) -> None:
+        update = self._batch.update(share_inputs)
+        for slot in update.removed:
+            self._calls.pop(slot, None)
+        for request in update.added:
+            if request.args.tool_execution:  # the args hold only the keys the request set; add defaults
+                settings = ToolExecutionArgs.model_validate(
+                    {k: v for k, v in request.args.items() if k in ToolExecutionArgs.model_fields and v is not None})
+                # Output it brought along (a request resuming after preemption) was searched before.
+                self._calls[request.slot] = _SlotCalls(settings, len(share_inputs["output_ids"][request.slot]))
+        for slot, calls in self._calls.items():
+            self._search(calls, share_inputs["output_ids"][slot], share_inputs["forced_tokens"][slot])
+
+    def _search(self, calls: _SlotCalls, output: list[int], forced: list[int]) -> None:
+        """Run the call the new output closes, if any, and force its result."""
+        settings = calls.settings
+        text = self.tokenizer.decode(output[calls.scanned:])
+        end = text.find(settings.tool_call_end)
+        if end < 0:
+            return
+        opened = text.rfind(settings.tool_call_start, 0, end)
+        if opened < 0:  # a stray end marker: not a call, look past it next time
+            calls.scanned = len(output)
+            return
+        call = text[opened + len(settings.tool_call_start):end]
+        result = self.tokenizer.encode(f"<results>{self._run(call, settings.tool_timeout)}</results>")
+        forced.extend(result)
+        calls.scanned = len(output) + len(result)
 
     def _run(self, call: str, timeout: float) -> str:
         try:

@@ -44,7 +44,8 @@ import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from ...reasoning import ReasoningState, get_reasoning_parser
-from ..base import LogitsProcessor, RequestFailures
+from ..base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
+from ..batch_state import BatchTracker
 from .bitmask import mask_logits
 from .compiler import CompiledConstraint, GrammarCompiler, allows_other_than, clean_error, dead_end
 from .tokenizer import build_lltokenizer, lltokenizer_spec
@@ -102,7 +103,7 @@ class _SlotMatcher:
 
     def __init__(self, matcher: llg.LLMatcher, output_ids: list[int], gate: _ReasoningGate | None = None):
         self.matcher = matcher
-        self.output_ids = output_ids  # the request's live list: identifies the request in the slot
+        self.output_ids = output_ids  # the request's live list
         self.gate = gate
         self.consumed = 0  # output tokens accounted for
         self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
@@ -165,6 +166,8 @@ class _SlotMatcher:
 
 
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
+    serves_guided_decoding = True
+
     def __init__(self, fd_config):
         super().__init__(fd_config)
         self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
@@ -184,6 +187,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self.eos_token_ids = eos
         self.compiler = GrammarCompiler(build_lltokenizer(tokenizer, self.vocab_size, eos),
                                         tokenizer_spec=lltokenizer_spec(tokenizer, self.vocab_size, eos))
+        self._batch = BatchTracker()
         self._slots: list[_SlotMatcher | None] = [None] * fd_config.max_num_seqs
         self._bitmask = allocate_token_bitmask(fd_config.max_num_seqs, self.vocab_size)
         self._executor = llg.LLExecutor()
@@ -217,18 +221,18 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         return params is not None and params.guided_decoding is not None
 
     # -- each step ------------------------------------------------------------------------------
-    def update_state(self, share_inputs: dict) -> None:
+    def update_state(self, share_inputs: ShareInputs) -> None:
         self._join()
         self._clear_rows()
-        slots = np.flatnonzero(~np.asarray(share_inputs["stop_flags"], dtype=bool)).tolist()
-        live = set(slots)
-        for s in range(len(self._slots)):
-            if s not in live:
-                self._slots[s] = None
+        update = self._batch.update(share_inputs)
+        for slot in update.removed:
+            self._slots[slot] = None
+        for request in update.added:  # a matcher for each constrained request that joined
+            self._slots[request.slot] = self._new_matcher(request, share_inputs)
         failures = {}
         forced = share_inputs.get("forced_tokens")  # the engine appends them (at once with fast-forward)
-        for row, slot in enumerate(slots):
-            state = self._slot(slot, share_inputs)
+        for row, slot in enumerate(update.slots.tolist()):
+            state = self._slots[slot]
             if state is None:
                 continue
             error = state.step(None if forced is None else forced[slot])
@@ -284,22 +288,17 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         return failures
 
     # -- helpers --------------------------------------------------------------------------------
-    def _slot(self, slot: int, share_inputs: dict) -> _SlotMatcher | None:
-        """The slot's matcher, made when a constrained request has just joined it."""
-        output_ids = share_inputs["output_ids"][slot]
-        state = self._slots[slot]
-        if state is not None and state.output_ids is output_ids:
-            return state
-        params = share_inputs["sampling_params"][slot]
-        state = None
-        if params is not None and params.guided_decoding is not None:
-            compiled: CompiledConstraint | None = params.extra.get(COMPILED)
-            if compiled is None:  # admitted without validate_request: compile now (cached)
-                compiled = params.extra[COMPILED] = self.compiler.compile(
-                    self._with_server_defaults(params.guided_decoding))
-            state = _SlotMatcher(compiled.new_matcher(), output_ids, self._reasoning_gate(share_inputs, slot))
-        self._slots[slot] = state
-        return state
+    def _new_matcher(self, request: AddedRequest, share_inputs: ShareInputs) -> _SlotMatcher | None:
+        """A matcher for a request that joined, if it is constrained."""
+        params = request.params
+        if params is None or params.guided_decoding is None:
+            return None
+        compiled: CompiledConstraint | None = params.extra.get(COMPILED)
+        if compiled is None:  # admitted without validate_request: compile now (cached)
+            compiled = params.extra[COMPILED] = self.compiler.compile(
+                self._with_server_defaults(params.guided_decoding))
+        return _SlotMatcher(compiled.new_matcher(), share_inputs["output_ids"][request.slot],
+                            self._reasoning_gate(share_inputs, request.slot))
 
     def _reasoning_gate(self, share_inputs: dict, slot: int) -> _ReasoningGate | None:
         """With a reasoning parser: where this request's output starts, read from its prompt's end."""

@@ -328,12 +328,14 @@ class CompileSandbox:
         with self._cond:
             if worker is None:
                 self._starting -= 1
-            if error is None and not self.closed:
+            # The pool's finalizer (process exit) killed the worker as it started: nothing to report.
+            stopped = worker is not None and worker not in self._live
+            if error is None and not self.closed and not stopped:
                 self._idle.append(worker)
                 self._start_error = None
             else:
                 self._live.discard(worker)
-                if error is not None and not self.closed:
+                if error is not None and not self.closed and not stopped:
                     self._start_error, self._failed_at = error, time.monotonic()
                     logger.error("guided decoding: %s", error)
             self._cond.notify_all()
@@ -343,9 +345,10 @@ class CompileSandbox:
 
 def _stop_all(live: set) -> None:
     """Kill the pool's workers (a child forked from the server has forgotten its parent's ones)."""
-    for worker in list(live):
+    workers = list(live)
+    live.clear()  # first: a worker's start thread woken by the kill then knows it was stopped
+    for worker in workers:
         worker.kill()
-    live.clear()
 
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
