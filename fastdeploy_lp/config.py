@@ -91,8 +91,6 @@ class ModelConfig:
     qk_norm: bool
     checkpoint_dtype: str
     eos_token_ids: list[int]
-    bos_token_id: int | None
-    pad_token_id: int | None
     sliding_window: int | None = None  # set when some layer attends through a window of this size
     o_proj_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; never on Qwen2/Mistral)
     mlp_bias: bool = False  # gate/up/down projections have a bias (Llama `mlp_bias`)
@@ -113,12 +111,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], model_dir: str = "") -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
-                f"{model_dir or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = _read_architecture(cfg, model_dir)
         where = f"{arch} config in {model_dir or 'config'}"
 
         def refuse(switch: str, why: str):
@@ -137,21 +130,10 @@ class ModelConfig:
 
         qkv_bias, o_bias, mlp_bias = _read_biases(cfg, arch, refuse)
 
-        heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         layers = int(cfg["num_hidden_layers"])
-        kv_heads = int(cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads)
-        if heads % kv_heads:
-            refuse(f"num_key_value_heads={kv_heads}", f"it must divide num_attention_heads={heads}")
-        head_dim = int(cfg.get("head_dim", defaults["head_dim"]) or hidden // heads)
-
-        eos = cfg.get("eos_token_id")
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        heads, kv_heads, head_dim = _read_heads(cfg, defaults, hidden, refuse)
         gen = _read_generation_config(model_dir)
-        gen_eos = gen.get("eos_token_id")
-        for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
-            if e is not None and int(e) not in eos_ids:
-                eos_ids.append(int(e))
 
         return cls(
             model=model_dir,
@@ -174,13 +156,44 @@ class ModelConfig:
             hidden_act=hidden_act,
             qk_norm=arch == "Qwen3ForCausalLM",
             checkpoint_dtype=normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_read_eos_ids(cfg, gen),
             sliding_window=_read_sliding_window(cfg, arch, layers, refuse),
-            bos_token_id=cfg.get("bos_token_id"),
-            pad_token_id=cfg.get("pad_token_id"),
             generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
                                                      "repetition_penalty") if k in gen},
         )
+
+
+def _read_architecture(cfg: dict[str, Any], model_dir: str) -> str:
+    """The first of the config's `architectures` that the decoder implements."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
+            f"{model_dir or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _read_heads(cfg: dict[str, Any], defaults: dict[str, Any], hidden: int, refuse) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head dimension), with the architecture's defaults."""
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads)
+    if heads % kv_heads:
+        refuse(f"num_key_value_heads={kv_heads}", f"it must divide num_attention_heads={heads}")
+    head_dim = int(cfg.get("head_dim", defaults["head_dim"]) or hidden // heads)
+    return heads, kv_heads, head_dim
+
+
+def _read_eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> list[int]:
+    """Every end-of-sequence id: config.json's `eos_token_id` (one or a list), then
+    generation_config.json's that are not among them."""
+    eos = cfg.get("eos_token_id")
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    gen_eos = generation_config.get("eos_token_id")
+    for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+        if e is not None and int(e) not in eos_ids:
+            eos_ids.append(int(e))
+    return eos_ids
 
 
 def _read_rope(cfg: dict[str, Any], refuse) -> tuple[float, dict[str, Any] | None]:
@@ -269,6 +282,46 @@ def default_device() -> str:
 
 
 @dataclass
+class CacheConfig:
+    """The paged KV cache and the per-step token budget (docs/kv_cache.md).
+
+    The pool holds `num_blocks` blocks of `block_size` positions. Unless `num_blocks` is given, it is
+    sized by memory: `kv_cache_memory` GiB on CPU, `gpu_memory_utilization` of the GPU's memory less
+    what the model already uses on GPU, and never more than `max_num_seqs` full-length sequences need.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: float = 4.0  # GiB, CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 2048 with chunking, else unbounded
+    num_blocks: int | None = None  # overrides the memory sizing (tests, benchmarks)
+
+    def __post_init__(self):
+        checks = {"block_size": isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+                  "kv_cache_memory": isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0,
+                  "gpu_memory_utilization": isinstance(self.gpu_memory_utilization, (int, float))
+                  and 0 < self.gpu_memory_utilization <= 1,
+                  "max_num_batched_tokens": self.max_num_batched_tokens is None
+                  or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
+                  "num_blocks": self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2)}
+        wanted = {"block_size": "an integer in 1..1024", "kv_cache_memory": "a positive number of GiB",
+                  "gpu_memory_utilization": "a fraction in (0, 1]", "max_num_batched_tokens": "a positive integer",
+                  "num_blocks": "an integer >= 2"}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: must be {wanted[name]}, got {getattr(self, name)!r}")
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens one step may compute; None: no limit (whole prompts in one pass)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else None
+
+
+@dataclass
 class FDConfig:
     """Everything the engine and the logits processors need to know about one deployment."""
 
@@ -291,6 +344,7 @@ class FDConfig:
     tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
 
     @classmethod
     def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,

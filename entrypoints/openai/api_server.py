@@ -5,7 +5,10 @@
 
 Start-up builds the engine before the socket opens, so a bad `--model` or `--logits-processors`
 exits non-zero with the reason. The engine then steps on its own thread (`AsyncLLMEngine`); the
-handlers only parse, submit, and shape the answer.
+handlers (`routers/`: health, models, generation) only parse, submit, and shape the answer.
+
+Here: `build_app` (the app factory: `app.state`, middleware, routers, error handlers),
+`engine_from_args` (the flags → `build_engine`), `GracefulServer` (drain on SIGTERM) and `run_server`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
-import json
 import logging
 import os
 import signal
@@ -23,38 +24,29 @@ import time
 from dataclasses import dataclass, field
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
-from ...config import FDConfig
-from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError
+from ...engine.async_engine import AsyncLLMEngine
 from ...engine.engine import LLMEngine
-from ...processors.builtin.tool_execution import load_tool_functions
+from ...engine.llm import build_engine
 from ...processors.custom_backends import load_custom_backends
-from ...processors.registry import BUILTIN_PROCESSORS
-from .args import check_guided_decoding_backend, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
-from .errors import RETRY_LATER, OpenAIError, bad_request, from_error_dicts, from_validation_error
+from .args import cache_config_from_args, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
+from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ServerMetrics
-from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestTooLarge, too_large
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelCard, ModelList)
+from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .request_body import document_request_models
+from .routers import ROUTERS
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import ClientDisconnected
 
 logger = logging.getLogger(__name__)
-
-IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
-MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)
 
 
 @dataclass
 class ServerSettings:
+    """What the HTTP side needs from the flags (the engine's options go to `build_engine`)."""
+
     served_model_names: list[str]
     model_path: str
     api_key: str | None = None
@@ -66,252 +58,56 @@ class ServerSettings:
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app serving `engine`; the engine thread runs for the app's lifespan."""
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests)
-    metrics = ServerMetrics(async_engine)
-    async_engine.observer = metrics.observe
+    """The FastAPI app serving `engine`; the engine thread runs for the app's lifespan.
+
+    `app.state` holds what the routers (`routers/`) read: `settings`, `async_engine`, `metrics`,
+    the `chat` and `completion` serving objects, `started` (the models' creation time) and
+    `draining` (set by `GracefulServer` on the first shutdown signal).
+    """
+    app = FastAPI(title="fastdeploy_lp OpenAI-compatible API", version="0.1.0", lifespan=_lifespan,
+                  exception_handlers=EXCEPTION_HANDLERS)
+    state = app.state
+    state.settings, state.draining, state.started = settings, False, int(time.time())
+    state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests)
+    state.metrics = ServerMetrics(state.async_engine)
+    state.async_engine.observer = state.metrics.observe
     aliases = settings.model_aliases | {"default", settings.model_path}
-    chat = OpenAIServingChat(async_engine, settings.served_model_names, aliases)
-    completion = OpenAIServingCompletion(async_engine, settings.served_model_names, aliases)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        async_engine.start()
-        logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
-                    settings.model_path, ", ".join(engine.pipeline.names) or "none")
-        try:
-            yield
-        finally:
-            async_engine.shutdown()
-
-    app = FastAPI(title="fastdeploy_lp OpenAI-compatible API", version="0.1.0", lifespan=lifespan)
-    app.state.async_engine = async_engine
-    app.state.metrics = metrics
-    app.state.settings = settings
-    app.state.draining = False
+    state.chat = OpenAIServingChat(state.async_engine, settings.served_model_names, aliases)
+    state.completion = OpenAIServingCompletion(state.async_engine, settings.served_model_names, aliases)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-
-    def not_serving_reason() -> str | None:
-        if app.state.draining:
-            return "the server is shutting down"
-        return None if async_engine.is_serving else async_engine._not_serving_reason()
-
-    def serving() -> None:
-        reason = not_serving_reason()
-        if reason is not None:
-            raise OpenAIError(503, f"not serving: {reason}", code="not_serving",
-                              headers=RETRY_LATER)
-
-    def check_fields(body) -> dict[str, str]:
-        unknown = body.unknown_fields()
-        if not unknown:
-            return {}
-        if settings.strict_fields:
-            raise bad_request(f"{unknown[0]}: unknown field (the server runs with --strict-fields); "
-                              f"unknown fields: {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
-        return {IGNORED_FIELDS_HEADER: ",".join(unknown)}
-
-    # -- routes ---------------------------------------------------------------------------------
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health():
-        """200 while the engine serves, 503 otherwise (starting, shutting down, or stopped by an error)."""
-        serving()
-        return {"status": "ok"}
-
-    @app.get("/metrics", response_class=Response)
-    async def prometheus_metrics():
-        """Prometheus text format; see `entrypoints/openai/metrics.py` for the metrics."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    v1 = APIRouter(prefix="/v1")
-
-    started = int(time.time())
-
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": started, "owned_by": "fastdeploy_lp",
-                "root": settings.model_path, "max_model_len": engine.fd_config.max_model_len}
-
-    @v1.get("/models", response_model=ModelList)
-    async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
-
-    @v1.get("/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
-    async def retrieve_model(model: str):
-        """One served model, as OpenAI's `GET /v1/models/{model}` (ids may contain '/')."""
-        if model not in settings.served_model_names:
-            raise OpenAIError(404, f"model: {model!r} is not served here; served: "
-                                   f"{', '.join(settings.served_model_names)}", param="model", code="model_not_found")
-        return model_card(model)
-
-    @v1.get("/logits_processors")
-    async def list_logits_processors():
-        """The processors every request runs through, in order, with the JSON schema of the
-        `logits_processors_args` keys each one reads (None: it does not declare them)."""
-        processors = engine.pipeline.processors
-        leading = len(processors) - len(engine.fd_config.logits_processors)
-        data = []
-        for position, p in enumerate(processors):
-            cls = type(p)
-            model = getattr(cls, "args_model", None)
-            data.append({
-                "name": cls.__name__, "position": position,
-                "class": f"{cls.__module__}:{cls.__qualname__}",
-                "source": "engine" if position < leading else "--logits-processors",
-                "builtin": cls.__name__ in BUILTIN_PROCESSORS,
-                "description": _summary(cls),
-                "args_schema": model.model_json_schema() if model is not None else None})
-        return {"object": "list", "data": data}
-
-    @v1.post("/chat/completions", dependencies=[Depends(serving)], openapi_extra=_body_doc(ChatCompletionRequest),
-             responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}}, **_ERRORS})
-    async def create_chat_completion(request: Request):
-        """OpenAI chat completions; `stream: true` answers with server-sent events."""
-        body = await parse_body(request, ChatCompletionRequest)
-        return await chat.create(body, request, check_fields(body))
-
-    @v1.post("/completions", dependencies=[Depends(serving)], openapi_extra=_body_doc(CompletionRequest),
-             responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}, **_ERRORS})
-    async def create_completion(request: Request):
-        """OpenAI (legacy) completions; `stream: true` answers with server-sent events."""
-        body = await parse_body(request, CompletionRequest)
-        return await completion.create(body, request, check_fields(body))
-
-    app.include_router(v1)
-    _document_request_models(app, (ChatCompletionRequest, CompletionRequest))
-
-    # -- errors ---------------------------------------------------------------------------------
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestTooLarge)
-    async def request_too_large(_, exc: RequestTooLarge):
-        err = too_large(settings.max_request_body_bytes)
-        return JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):  # query/path parameters
-        err = from_error_dicts(list(exc.errors()), drop_prefix="query")
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
-                   else str(exc.detail))
-        err = OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(EngineNotServingError)
-    async def engine_stopped(_, exc: EngineNotServingError):  # the engine stopped while we waited
-        err = OpenAIError(503, f"not serving: {exc}", code="not_serving")
-        return JSONResponse(err.body(), status_code=503, headers=RETRY_LATER)
-
-    @app.exception_handler(ClientDisconnected)
-    async def client_gone(_, exc: ClientDisconnected):
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, exc: Exception):
-        logger.exception("unhandled error")
-        err = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-        return JSONResponse(err.body(), status_code=500)
-
+    for router in ROUTERS:
+        app.include_router(router)
+    document_request_models(app, (ChatCompletionRequest, CompletionRequest))
     return app
 
 
-def _summary(cls) -> str | None:
-    """First paragraph of the class's own docstring, else of its module's."""
-    doc = cls.__dict__.get("__doc__") or getattr(sys.modules.get(cls.__module__), "__doc__", None)
-    return inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ") if doc else None
-
-
-async def parse_body(request: Request, model: type[BaseModel]):
-    """The JSON body validated by `model`. Content-Type is not required (curl -d sends a form type)."""
-    raw = await request.body()
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The engine thread runs while the app does."""
+    async_engine, settings = app.state.async_engine, app.state.settings
+    async_engine.start()
+    logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
+                settings.model_path, ", ".join(async_engine.engine.pipeline.names) or "none")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise _too_deep() from None
-    except UnicodeDecodeError as e:
-        raise bad_request(f"malformed JSON in the request body: not UTF-8 ({e.reason})", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise bad_request(f"malformed JSON in the request body: {e.msg} (line {e.lineno}, column {e.colno})",
-                          code="invalid_json") from None
-    except ValueError as e:
-        raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    if json_depth(data) > MAX_JSON_DEPTH:
-        raise _too_deep()
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+        yield
+    finally:
+        async_engine.shutdown()
 
 
-def json_depth(value) -> int:
-    """Nesting depth of parsed JSON, without recursion (the point is to refuse deep input)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            node = node.values()
-        elif not isinstance(node, list):
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
-    return deepest
-
-
-def _too_deep() -> OpenAIError:
-    return bad_request(f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _body_doc(model: type[BaseModel]) -> dict:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-def _document_request_models(app: FastAPI, models) -> None:
-    """Put the request models (parsed by hand, for OpenAI-shaped errors) into the OpenAPI schema."""
-    base = app.openapi
-
-    def openapi():
-        if app.openapi_schema is None:
-            schema = base()
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in models:
-                s = m.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(s.pop("$defs", {}))
-                components[m.__name__] = s
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def engine_from_args(args: argparse.Namespace) -> LLMEngine:
+    """The engine the flags describe, built by `build_engine` (the builder `LLM()` uses too)."""
     custom = {}
     if args.custom_guided_decoding_backends:
         custom = load_custom_backends(args.custom_guided_decoding_backends, trust_custom_code(args))
-    check_guided_decoding_backend(args.guided_decoding_backend, custom)
-    fd_config = FDConfig.create(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                device=args.device, dtype=args.dtype, logits_processors=list(args.logits_processors),
-                                guided_decoding_backend=args.guided_decoding_backend,
-                                logits_processor_timeout_s=args.logits_processor_timeout or None)
-    fd_config.custom_guided_decoding_backends = custom
-    fd_config.guided_whitespace_pattern = args.guided_whitespace_pattern
-    fd_config.reasoning_parser = args.reasoning_parser
-    fd_config.tool_functions = load_tool_functions(args.tool_functions)
-    return LLMEngine(fd_config)
+    return build_engine(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        device=args.device, dtype=args.dtype, logits_processors=list(args.logits_processors),
+                        guided_decoding_backend=args.guided_decoding_backend,
+                        logits_processor_timeout_s=args.logits_processor_timeout or None,
+                        guided_whitespace_pattern=args.guided_whitespace_pattern,
+                        reasoning_parser=args.reasoning_parser, tool_functions=args.tool_functions,
+                        custom_guided_decoding_backends=custom, cache_config=cache_config_from_args(args))
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -372,7 +168,7 @@ def run_server(args: argparse.Namespace) -> int:
         print("fastdeploy-lp: cannot start: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     try:
-        engine = build_engine(args)
+        engine = engine_from_args(args)
     except (ValueError, OSError, ImportError) as e:  # bad processor name, missing model, bad flag value
         print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(args.model)}", file=sys.stderr)
         return 2

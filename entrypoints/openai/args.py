@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from ...config import default_model_path
+from ...config import CacheConfig, default_model_path
 from ...reasoning import REASONING_PARSERS
 from ...processors.custom_backends import TRUST_ENV
 
 API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
-BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
 
 
 def _positive_int(text: str) -> int:
@@ -35,6 +34,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -45,6 +51,17 @@ def _port(text: str) -> int:
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     model = parser.add_argument_group("model and engine")
+    _add_engine_args(model)
+    _add_decoding_args(model)
+    _add_cache_args(parser.add_argument_group("KV cache and scheduling"))
+    _add_http_args(parser.add_argument_group("HTTP server"))
+    _add_compat_args(parser.add_argument_group(
+        "FastDeploy compatibility (accepted, unused: this engine is one process)"))
+    return parser
+
+
+def _add_engine_args(model) -> None:
+    """The checkpoint, its names, and the engine's size and device."""
     model.add_argument("--model", default=default_model_path(),
                        help="Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer). "
                             "Default: the model that ships with the package.")
@@ -61,6 +78,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--dtype", default="auto",
                        help="Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16. "
                             "CPU always computes in float32.")
+
+
+def _add_decoding_args(model) -> None:
+    """Logits processors, guided decoding, reasoning and tools."""
     model.add_argument("--logits-processors", nargs="*", default=[], metavar="NAME",
                        help="Logits processors, applied in this order: a built-in name "
                             "(e.g. LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable "
@@ -89,7 +110,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="A dict of name -> callable that ToolExecutionLogitsProcessor may run when "
                             "the model writes <function>name(args)</function>. Requests never name code.")
 
-    server = parser.add_argument_group("HTTP server")
+
+def _add_http_args(server) -> None:
+    """The HTTP server: address, auth, limits, shutdown, logging."""
     server.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
     server.add_argument("--port", type=_port, default=8000, help="Port of the OpenAI-compatible API.")
     server.add_argument("--metrics-port", type=_port, default=None,
@@ -114,12 +137,40 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of the server and uvicorn.")
 
-    compat = parser.add_argument_group("FastDeploy compatibility (accepted, unused: this engine is one process)")
+
+def _add_cache_args(cache) -> None:
+    """The paged KV cache and the per-step token budget (docs/kv_cache.md)."""
+    cache.add_argument("--block-size", type=_positive_int, default=16,
+                       help="Tokens per KV cache block.")
+    cache.add_argument("--kv-cache-memory", type=_positive_float, default=4.0, metavar="GIB",
+                       help="KV cache size on CPU, in GiB (never more than --max-num-seqs full-length "
+                            "sequences need).")
+    cache.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.9, metavar="FRACTION",
+                       help="On GPU: the fraction of the device's memory for the model and its KV cache.")
+    cache.add_argument("--num-blocks", type=_positive_int, default=None,
+                       help="KV cache blocks, overriding the memory sizing.")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="Reuse the KV cache of full blocks shared with earlier requests.")
+    cache.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="Split long prompts across steps so running requests keep decoding.")
+    cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                       help="Tokens one step may compute (default: 2048 with chunked prefill, else no limit).")
+
+
+def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                       gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       enable_chunked_prefill=args.enable_chunked_prefill,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _add_compat_args(compat) -> None:
+    """FastDeploy's multi-process flags, so its launch commands run unchanged."""
     compat.add_argument("--engine-worker-queue-port", type=_port, default=None,
                         help="Accepted so FastDeploy launch commands run; unused.")
     compat.add_argument("--cache-queue-port", type=_port, default=None,
                         help="Accepted so FastDeploy launch commands run; unused.")
-    return parser
 
 
 def missing_model_hint(model: str) -> str:
@@ -132,12 +183,6 @@ def missing_model_hint(model: str) -> str:
 
 def trust_custom_code(args: argparse.Namespace) -> bool:
     return args.trust_custom_code or os.environ.get(TRUST_ENV, "").lower() in ("1", "true", "yes")
-
-
-def check_guided_decoding_backend(name: str, custom: dict) -> None:
-    if name not in BUILTIN_GUIDED_DECODING_BACKENDS and name not in custom:
-        raise ValueError(f"--guided-decoding-backend: unknown backend {name!r}; available: "
-                         f"{', '.join([*BUILTIN_GUIDED_DECODING_BACKENDS, *custom])}")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

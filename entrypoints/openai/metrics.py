@@ -11,12 +11,19 @@
 | fastdeploy_lp:request_finished_total{finish_reason} | counter   | finished sequences by reason                |
 | fastdeploy_lp:logits_processor_seconds_total{processor,phase} | counter | time in update_state / apply |
 | fastdeploy_lp:logits_processor_calls_total{processor}| counter  | apply calls                                 |
+| fastdeploy_lp:kv_cache_blocks_in_use                | gauge     | KV blocks held by requests                  |
+| fastdeploy_lp:kv_cache_blocks_total                 | gauge     | KV blocks in the pool (without the null one)|
+| fastdeploy_lp:kv_cache_usage_perc                   | gauge     | blocks in use / total, 0..1                 |
+| fastdeploy_lp:prefix_cache_queries_total            | counter   | prompt tokens looked up in the prefix cache |
+| fastdeploy_lp:prefix_cache_hits_total               | counter   | of those, found cached                      |
+| fastdeploy_lp:prefix_cache_hit_rate                 | gauge     | hits / queries since start                  |
+| fastdeploy_lp:num_preemptions_total                 | counter   | requests preempted for KV blocks            |
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ...engine.async_engine import AsyncLLMEngine, RequestStream
 from ...engine.request import RequestOutput
@@ -47,6 +54,7 @@ class ServerMetrics:
         self.finished = Counter(PREFIX + "request_finished", "Finished sequences by finish reason.",
                                 ["finish_reason"], registry=r)
         r.register(_ProcessorTimeCollector(engine))
+        r.register(_KVCacheCollector(engine.engine))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
@@ -87,3 +95,26 @@ class _ProcessorTimeCollector:
             calls.add_metric([name], t.get("calls", 0))
         yield seconds
         yield calls
+
+
+class _KVCacheCollector:
+    """Block pool and prefix-cache counters, read at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        pool, stats = self.engine.block_pool, self.engine.block_pool.stats
+        total = pool.num_blocks - 1
+        for name, doc, value in (
+                ("kv_cache_blocks_in_use", "KV cache blocks held by requests.", pool.num_used),
+                ("kv_cache_blocks_total", "KV cache blocks in the pool.", total),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", pool.num_used / total),
+                ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", stats.hit_rate)):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queried_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.hit_tokens),
+                ("num_preemptions", "Requests preempted to free KV cache blocks.",
+                 self.engine.scheduler.num_preemptions)):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -34,6 +34,7 @@ from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
 
 from ...processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
 from ...reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
+from ...tokenizer.chat_template import render_chat_prompt
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -82,22 +83,9 @@ class OpenAIServingChat(OpenAIServing):
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
         """The rendered prompt's token ids and text."""
-        messages = [m.for_template() for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        for reserved in ("messages", "tools", "add_generation_prompt"):
-            if reserved in kwargs:
-                raise ValueError(f"chat_template_kwargs.{reserved}: set by the request itself, not here")
-        for reserved in ("bos_token", "eos_token"):
-            if reserved in kwargs:
-                raise ValueError(f"chat_template_kwargs.{reserved}: set by the tokenizer; it cannot be overridden")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      tools=req.tools_for_template(), **kwargs)
-        except ValueError:
-            raise
-        except Exception as e:  # a template may fail in any way on odd input (e.g. None + str)
-            raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-        # The template already wrote any BOS it wants, as transformers does for chat prompts.
+        text = render_chat_prompt(self.tokenizer, [m.for_template() for m in req.messages],
+                                  add_generation_prompt=req.add_generation_prompt, tools=req.tools_for_template(),
+                                  chat_template_kwargs=req.chat_template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def _tool_constraint(self, req: ChatCompletionRequest):
@@ -141,83 +129,106 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request_id: str, stream: RequestStream, n: int, prefix: str, reader: dict | None,
                       include_usage: bool, want_logprobs: bool,
                       thinking: ReasoningState | None) -> AsyncIterator[str]:
-        created = int(time.time())
-        model = self.model_name
-
-        def chunk(index, delta, finish_reason=None, logprobs=None, error=None):
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            if error is not None:
-                choice["error"] = error
-            data = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice]}
-            if include_usage:
-                data["usage"] = None
-            return sse(data)
-
-        parsers = [ToolCallParser(**reader) for _ in range(n)] if reader is not None else None
-        reasoning = [ReasoningStream(self.reasoning, thinking) for _ in range(n)] if thinking is not None else None
+        chunks = _ChatChunks(self, request_id, n, reader, include_usage, want_logprobs, thinking)
         for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-            if reasoning is not None and prefix:
-                thought, prefix_answer = reasoning[i].feed(prefix)
-                if thought:
-                    yield chunk(i, {"reasoning_content": thought})
-            else:
-                prefix_answer = prefix
-            if prefix_answer and parsers is None:
-                yield chunk(i, {"content": prefix_answer})
-            elif prefix_answer:
-                for delta in _tool_deltas(parsers[i].feed(prefix_answer)):
-                    yield chunk(i, delta)
-        sent_logprobs = [0] * n
-        prompt_tokens, completion = 0, [0] * n
-
-        def new_logprobs(o):
-            if not want_logprobs or o.logprobs is None or len(o.logprobs) <= sent_logprobs[o.index]:
-                return None
-            logprobs = self.chat_logprobs(o.logprobs[sent_logprobs[o.index]:])
-            sent_logprobs[o.index] = len(o.logprobs)
-            return logprobs
-
+            for chunk in chunks.opening(i, prefix):
+                yield chunk
         try:
             async for out in stream:
-                o = out.outputs
-                i = o.index
-                prompt_tokens = len(out.prompt_token_ids)
-                completion[i] = len(o.token_ids)
-                ending = out.finished and o.finish_reason != "abort"
-                answer = o.delta_text
-                if reasoning is not None:  # reasoning deltas first; the rest is the answer
-                    thought, answer = reasoning[i].feed(answer, final=ending)
-                    if thought:
-                        yield chunk(i, {"reasoning_content": thought}, logprobs=new_logprobs(o))
-                if parsers is not None:  # tools: content and calls as the parser reads them
-                    events = parsers[i].feed(answer)
-                    if ending:
-                        events += parsers[i].finish()
-                    for delta in _tool_deltas(events):
-                        yield chunk(i, delta, logprobs=new_logprobs(o))  # logprobs ride on the next delta sent
-                else:
-                    logprobs = None
-                    if want_logprobs and o.logprobs is not None:
-                        logprobs = self.chat_logprobs(o.logprobs[sent_logprobs[i]:])
-                        sent_logprobs[i] = len(o.logprobs)
-                    if answer or (logprobs and logprobs["content"]):
-                        yield chunk(i, {"content": answer}, logprobs=logprobs)
-                if not ending:
-                    continue
-                finish = o.finish_reason
-                if parsers is not None and finish == "stop" and parsers[i].all_calls_complete:
-                    finish = "tool_calls"
-                yield chunk(i, {}, finish_reason=finish, logprobs=new_logprobs(o), error=choice_error(o))
+                for chunk in chunks.output(out):
+                    yield chunk
         except Exception as e:  # the engine stopped under us: tell the client, then end the stream
             yield engine_error_event(e)
             yield SSE_DONE
             return
         if include_usage:
-            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(completion))})
+            yield chunks.usage()
         yield SSE_DONE
+
+
+class _ChatChunks:
+    """The SSE chunks of one streamed chat completion, one `RequestOutput` at a time: per choice,
+    reasoning deltas (with a reasoning parser), tool-call deltas (with tools) or content deltas,
+    logprobs riding on the next delta sent, and the finish chunk."""
+
+    def __init__(self, serving: OpenAIServingChat, request_id: str, n: int, reader: dict | None,
+                 include_usage: bool, want_logprobs: bool, thinking: ReasoningState | None):
+        self.serving = serving
+        self.request_id, self.created, self.model = request_id, int(time.time()), serving.model_name
+        self.include_usage, self.want_logprobs = include_usage, want_logprobs
+        self.parsers = [ToolCallParser(**reader) for _ in range(n)] if reader is not None else None
+        self.reasoning = ([ReasoningStream(serving.reasoning, thinking) for _ in range(n)]
+                          if thinking is not None else None)
+        self.sent_logprobs = [0] * n
+        self.prompt_tokens, self.completion = 0, [0] * n
+
+    def chunk(self, index, delta, finish_reason=None, logprobs=None, error=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if error is not None:
+            choice["error"] = error
+        data = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    def usage(self) -> str:
+        return sse({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [], "usage": usage(self.prompt_tokens, sum(self.completion))})
+
+    def opening(self, i: int, prefix: str) -> list[str]:
+        """Choice `i`'s role chunk, then the echoed prefix (split like the output that follows)."""
+        out = [self.chunk(i, {"role": "assistant", "content": ""})]
+        prefix_answer = prefix
+        if self.reasoning is not None and prefix:
+            thought, prefix_answer = self.reasoning[i].feed(prefix)
+            if thought:
+                out.append(self.chunk(i, {"reasoning_content": thought}))
+        if prefix_answer and self.parsers is None:
+            out.append(self.chunk(i, {"content": prefix_answer}))
+        elif prefix_answer:
+            out += [self.chunk(i, delta) for delta in _tool_deltas(self.parsers[i].feed(prefix_answer))]
+        return out
+
+    def output(self, out) -> list[str]:
+        """The chunks for one engine output of one choice (its finish chunk when it ended)."""
+        o = out.outputs
+        i = o.index
+        self.prompt_tokens = len(out.prompt_token_ids)
+        self.completion[i] = len(o.token_ids)
+        ending = out.finished and o.finish_reason != "abort"
+        answer, chunks = o.delta_text, []
+        if self.reasoning is not None:  # reasoning deltas first; the rest is the answer
+            thought, answer = self.reasoning[i].feed(answer, final=ending)
+            if thought:
+                chunks.append(self.chunk(i, {"reasoning_content": thought}, logprobs=self.new_logprobs(o)))
+        if self.parsers is not None:  # tools: content and calls as the parser reads them
+            events = self.parsers[i].feed(answer)
+            if ending:
+                events += self.parsers[i].finish()
+            for delta in _tool_deltas(events):  # logprobs ride on the next delta sent
+                chunks.append(self.chunk(i, delta, logprobs=self.new_logprobs(o)))
+        else:
+            logprobs = None
+            if self.want_logprobs and o.logprobs is not None:
+                logprobs = self.serving.chat_logprobs(o.logprobs[self.sent_logprobs[i]:])
+                self.sent_logprobs[i] = len(o.logprobs)
+            if answer or (logprobs and logprobs["content"]):
+                chunks.append(self.chunk(i, {"content": answer}, logprobs=logprobs))
+        if ending:
+            finish = o.finish_reason
+            if self.parsers is not None and finish == "stop" and self.parsers[i].all_calls_complete:
+                finish = "tool_calls"
+            chunks.append(self.chunk(i, {}, finish_reason=finish, logprobs=self.new_logprobs(o), error=choice_error(o)))
+        return chunks
+
+    def new_logprobs(self, o):
+        """The logprobs of choice `o` not sent yet (None when there are none or none were asked for)."""
+        if not self.want_logprobs or o.logprobs is None or len(o.logprobs) <= self.sent_logprobs[o.index]:
+            return None
+        logprobs = self.serving.chat_logprobs(o.logprobs[self.sent_logprobs[o.index]:])
+        self.sent_logprobs[o.index] = len(o.logprobs)
+        return logprobs
 
 
 def _echo_prefix(req: ChatCompletionRequest) -> str:

@@ -7,16 +7,53 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from ..config import FDConfig
+from ..config import CacheConfig, FDConfig
 from ..reasoning import get_reasoning_parser
 from ..processors.builtin.tool_execution import load_tool_functions
 from ..sampling_params import SamplingParams
+from ..tokenizer.chat_template import render_chat_prompt
 from .engine import LLMEngine
 from .request import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
+
+
+def build_engine(model: str | None = None, *, logits_processors: list[str] | tuple[str, ...] | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
+                 dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
+                 tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
+                 guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
+                 custom_guided_decoding_backends: dict[str, Any] | None = None,
+                 cache_config: CacheConfig | None = None) -> LLMEngine:
+    """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
+
+    Cheap checks come first (processor list, guided-decoding backend, reasoning parser, tool
+    functions), so a bad value fails before the checkpoint loads. `custom_guided_decoding_backends`
+    is a dict of already loaded backends (name -> `CustomBackend`; the server loads them from
+    `--custom-guided-decoding-backends`). Every error is a `ValueError` (or `OSError` for a missing
+    model) naming the argument.
+    """
+    if logits_processors is not None and not isinstance(logits_processors, (list, tuple)):
+        raise ValueError("logits_processors: must be a list of processor names")
+    custom = dict(custom_guided_decoding_backends or {})
+    if guided_decoding_backend not in BUILTIN_GUIDED_DECODING_BACKENDS and guided_decoding_backend not in custom:
+        raise ValueError(f"guided_decoding_backend: unknown backend {guided_decoding_backend!r}; available: "
+                         f"{', '.join([*BUILTIN_GUIDED_DECODING_BACKENDS, *custom])}")
+    get_reasoning_parser(reasoning_parser)  # an unknown name fails here, naming the choices
+    tools = load_tool_functions(tool_functions)
+    fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
+                                dtype=dtype, logits_processors=list(logits_processors or []),
+                                guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
+                                logits_processor_timeout_s=logits_processor_timeout_s)
+    fd_config.custom_guided_decoding_backends = custom
+    fd_config.cache_config = cache_config or CacheConfig()
+    fd_config.guided_whitespace_pattern = guided_whitespace_pattern
+    fd_config.reasoning_parser = reasoning_parser
+    fd_config.tool_functions = tools
+    return LLMEngine(fd_config)
 
 
 class LLM:
@@ -38,20 +75,24 @@ class LLM:
                  tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
                  guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
                  engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
+                 block_size: int = 16, kv_cache_memory: float = 4.0, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
                  **unsupported: Any):
         if unsupported:
             raise ValueError(f"{next(iter(unsupported))}: not an LLM() argument")
-        if logits_processors is not None and not isinstance(logits_processors, (list, tuple)):
-            raise ValueError("logits_processors: must be a list of processor names")
-        self.fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                         device=device, dtype=dtype, logits_processors=list(logits_processors or []),
-                                         guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                                         logits_processor_timeout_s=logits_processor_timeout_s)
-        self.fd_config.tool_functions = load_tool_functions(tool_functions)
-        self.fd_config.guided_whitespace_pattern = guided_whitespace_pattern
-        get_reasoning_parser(reasoning_parser)  # an unknown name fails here, naming the choices
-        self.fd_config.reasoning_parser = reasoning_parser
-        self.engine = LLMEngine(self.fd_config)
+        cache_config = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                                   gpu_memory_utilization=gpu_memory_utilization,
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks)
+        self.engine = build_engine(model, logits_processors=logits_processors, max_num_seqs=max_num_seqs,
+                                   max_model_len=max_model_len, device=device, dtype=dtype,
+                                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
+                                   tool_functions=tool_functions, logits_processor_timeout_s=logits_processor_timeout_s,
+                                   guided_whitespace_pattern=guided_whitespace_pattern,
+                                   reasoning_parser=reasoning_parser, cache_config=cache_config)
+        self.fd_config = self.engine.fd_config
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -73,8 +114,8 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tools=tools,
-                                                      **(chat_template_kwargs or {})) for c in conversations]
+        prompts = [render_chat_prompt(self.tokenizer, c, tools=tools, chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         # The template writes any BOS itself, so the tokenizer must not add another.
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 

@@ -45,3 +45,34 @@ class ChatTemplate:
                                          tools=tools, **kwargs)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"messages: the chat template rejected the conversation: {e}") from e
+
+
+RESERVED_BY_REQUEST = ("messages", "tools", "add_generation_prompt")
+RESERVED_BY_TOKENIZER = ("bos_token", "eos_token")
+
+
+def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of one conversation: the one chat renderer (the server and `LLM.chat`).
+
+    `tokenizer` is the engine's `Tokenizer` (its template, BOS and EOS). `chat_template_kwargs` are
+    extra template variables (e.g. `enable_thinking`); they may not set what the call itself sets
+    (`messages`, `tools`, `add_generation_prompt`) or what the tokenizer does (`bos_token`,
+    `eos_token`). Every failure is a `ValueError` naming the field, including a template that fails
+    on odd input. The template writes any BOS it wants, as transformers does for chat prompts, so
+    encode the result with `add_special_tokens=False`.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in RESERVED_BY_REQUEST:
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs.{reserved}: set by the request itself, not here")
+    for reserved in RESERVED_BY_TOKENIZER:
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs.{reserved}: set by the tokenizer; it cannot be overridden")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # a template may fail in any way on odd input (e.g. None + str)
+        raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None

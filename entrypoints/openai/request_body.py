@@ -1,0 +1,98 @@
+"""Request bodies: parsed by hand (so every error is OpenAI-shaped), checked for unknown fields, and
+put back into the OpenAPI schema that hand-parsing hides from FastAPI."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+
+from .errors import OpenAIError, bad_request, from_validation_error
+
+IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
+MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body validated by `model`. Content-Type is not required (curl -d sends a form type)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _too_deep() from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"malformed JSON in the request body: not UTF-8 ({e.reason})", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON in the request body: {e.msg} (line {e.lineno}, column {e.colno})",
+                          code="invalid_json") from None
+    except ValueError as e:
+        raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def ignored_fields_header(request: Request, body) -> dict[str, str]:
+    """The response header naming the body's unknown top-level fields (none: no header); with
+    `--strict-fields` an unknown field is a 400 instead."""
+    unknown = body.unknown_fields()
+    if not unknown:
+        return {}
+    if request.app.state.settings.strict_fields:
+        raise bad_request(f"{unknown[0]}: unknown field (the server runs with --strict-fields); "
+                          f"unknown fields: {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
+    return {IGNORED_FIELDS_HEADER: ",".join(unknown)}
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON, without recursion (the point is to refuse deep input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _too_deep() -> OpenAIError:
+    return bad_request(f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def body_doc(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route whose body `model` is parsed by hand."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def document_request_models(app: FastAPI, models) -> None:
+    """Put the request models (parsed by hand, for OpenAI-shaped errors) into the OpenAPI schema."""
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = base()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                s = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(s.pop("$defs", {}))
+                components[m.__name__] = s
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,0 +1,15 @@
+"""The HTTP endpoints, one `APIRouter` per concern. Handlers read what they need from
+`request.app.state` (set up by `api_server.build_app`), parse, hand over, and shape the answer:
+
+    health.py       GET /health, GET /metrics
+    models.py       GET /v1/models, GET /v1/models/{model}, GET /v1/logits_processors
+    generation.py   POST /v1/chat/completions → serving_chat.py, POST /v1/completions → serving_completion.py
+"""
+
+from .generation import router as generation_router
+from .health import router as health_router
+from .models import router as models_router
+
+ROUTERS = (health_router, models_router, generation_router)
+
+__all__ = ["ROUTERS"]
