@@ -14,7 +14,7 @@ from conftest import FIXTURE_MODELS, fixture_dir, load_reference
 from safetensors.numpy import load_file, save_file
 
 from fastdeploy_lp import LLM, FDConfig, ModelConfig, SamplingParams
-from fastdeploy_lp.model import AttentionBatch, SequenceGroup, load_model
+from fastdeploy_lp.model import AttentionBatch, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # llama-bias: `attention_bias` (q/k/v *and* o_proj biases) and `mlp_bias` (gate/up/down biases).
@@ -37,20 +37,21 @@ def test_logits_match_transformers_at_every_position(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_cached_decode_logits_match_transformers(name):
-    """Prefill half the prompt into the slot cache, then feed the rest one token per pass."""
+    """Prefill half the prompt into scattered cache blocks, then feed the rest one token per pass."""
     model = _model(fixture_dir(name))
     inputs, ref = load_reference(name)
     ids = inputs[0]
-    cfg, max_len, slot = model.config, 64, 1
-    shape = [2 * cfg.num_key_value_heads * max_len, cfg.head_dim]
-    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in model.layers]
+    cfg, block_size = model.config, 4
+    blocks = [5, 2, 7, 1, 3, 6, 4, 8, 9, 10, 11, 12, 13, 14, 15][: -(-len(ids) // block_size)]
+    shape = [16 * cfg.num_key_value_heads * block_size, cfg.head_dim]
+    caches = [(paddle.full(shape, float("nan")), paddle.full(shape, float("nan"))) for _ in model.layers]
     half = len(ids) // 2
+    fresh = list(blocks)  # NaN everywhere: the pass must zero the blocks it hands out before reading them
 
     def run(tokens, start):
-        positions = list(range(start, start + len(tokens)))
-        batch = AttentionBatch(paddle.to_tensor(positions, dtype="int64"),
-                               paddle.to_tensor([slot * max_len + p for p in positions], dtype="int64"),
-                               [SequenceGroup(0, len(tokens), [slot], [start + len(tokens)], max_len)])
+        batch = AttentionBatch.paged([(blocks, start, len(tokens))], block_size, cfg.num_key_value_heads,
+                                     cfg.num_attention_heads // cfg.num_key_value_heads, fresh)
+        fresh.clear()
         with paddle.no_grad():
             return model.logits(model(paddle.to_tensor(tokens, dtype="int64"), batch, caches)).numpy()
 

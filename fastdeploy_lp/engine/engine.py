@@ -2,7 +2,9 @@
 
 One step: admit waiting requests into free slots → `pipeline.update_state(share_inputs)` → one
 forward pass over every active slot (prompts of new slots, the last token of running ones) →
-`pipeline.apply(logits)` → sampler → append tokens, detokenize, check stops, free finished slots.
+`pipeline.apply(logits)` → penalties → `pipeline.apply_sampling_params(logits)` (the request's
+`logit_bias` and `bad_words`, through the built-in processors) → sampler → append tokens,
+detokenize, check stops, free finished slots.
 
 `add_request` and `abort_request` may be called from any thread (the server's event loop);
 `step` runs on one engine thread.
@@ -20,16 +22,16 @@ from typing import Any
 import numpy as np
 
 from ..config import FDConfig
-from ..processors.builtin.bad_words import word_sequences
 from ..processors.custom_backends import RequestLogitsProcessorAdapter
 from ..processors.guided import GuidedDecodingLogitsProcessor
 from ..processors.pipeline import LogitsProcessorPipeline
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import FinishReason, Logprob, Request, RequestOutput
-from .runner import ModelRunner, SlotFeed
+from .kv_cache import BlockPool
+from .runner import ModelRunner, SequenceFeed
 from .sampler import Sampler
-from .scheduler import SlotScheduler
+from .scheduler import Chunk, SlotScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,12 @@ class LLMEngine:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.runner = ModelRunner(fd_config)
+        cache = fd_config.cache_config
+        self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.pipeline = LogitsProcessorPipeline(fd_config, fd_config.logits_processors,
                                                 leading=leading_processors(fd_config))
-        self.scheduler = SlotScheduler(fd_config.max_num_seqs)
+        self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
+                                       cache.enable_chunked_prefill)
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -97,7 +102,6 @@ class LLMEngine:
             raise ValueError("prompt: must be a string or a list of token ids")
         params = self._check(ids, params)
         args = self.pipeline.validate(params)
-        bad_words = word_sequences(self.tokenizer, params.bad_words or [])
         request_id = request_id or uuid.uuid4().hex
         requests = []
         for i in range(params.n):
@@ -107,8 +111,7 @@ class LLMEngine:
                 prompt_ids=ids, params=params, prompt=text, index=i, args=args,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                                    params.skip_special_tokens),
-                rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng(),
-                bad_word_ids=bad_words))
+                rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng()))
         return requests
 
     def enqueue(self, requests: list[Request]) -> None:
@@ -125,19 +128,20 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be in 0..{vocab - 1}")
         if len(ids) >= limit:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit}")
-        for field, tokens in (("logit_bias", (params.logit_bias or {}).keys()), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in tokens if t < 0 or t >= vocab]
-            if bad:
-                raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if params.guided_decoding is not None and not any(
-                isinstance(p, GuidedDecodingLogitsProcessor) for p in self.pipeline.processors):
+        params.check_vocab(vocab)
+        if params.guided_decoding is not None and not self.pipeline.serves_guided_decoding:
             raise ValueError("guided_decoding: guided decoding is off on this engine (guided_decoding_backend='off')")
-        room = limit - len(ids)
-        if params.max_tokens is None:
-            return params.clone(max_tokens=room)
-        if params.max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > limit - len(ids):
             raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                             f"max_model_len={limit}; at most {room} tokens can be generated")
+                             f"max_model_len={limit}; at most {limit - len(ids)} tokens can be generated")
+        capacity = self.block_pool.capacity_tokens  # the whole KV cache: a request must fit it alone
+        if len(ids) + (params.max_tokens or 1) > capacity:
+            field = "max_tokens" if params.max_tokens is not None and len(ids) < capacity else "prompt"
+            raise ValueError(f"{field}: the prompt's {len(ids)} tokens plus {params.max_tokens or 1} to generate "
+                             f"need more KV cache than the engine has ({capacity} tokens; see --kv-cache-memory, "
+                             f"--num-blocks)")
+        if params.max_tokens is None:
+            return params.clone(max_tokens=min(limit, capacity) - len(ids))
         return params
 
     def abort_request(self, request_id: str) -> None:
@@ -150,7 +154,7 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.scheduler.holding)
 
     @property
     def num_waiting(self) -> int:
@@ -163,31 +167,33 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         finished: list[Request] = []
         self._drain_inbox(finished)
-        self._admit(finished)
+        chunks = self._schedule_prompts(finished)
         share_inputs = self.scheduler.share_inputs
 
-        while True:  # settle: processors see failed requests leave and forced tokens land before the pass
+        while True:  # settle: processors see requests leave and forced tokens land before the pass
             failures = self.pipeline.update_state(share_inputs)
             for slot, message in failures.items():
                 self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
             appended = self._take_forced_tokens(finished)
-            if not failures and not appended:
+            preempted = self.scheduler.reserve_running()
+            if not failures and not appended and not preempted:
                 break
 
         running = self.scheduler.running
-        if running:
+        chunks = [c for c in chunks if c.request.slot is not None]  # a preempted request's chunk waits
+        if running or chunks:
             try:
-                self._decode(running, finished)
+                self._decode(running, chunks, finished)
             except Exception as e:  # no row of this pass can be trusted; the engine itself goes on
-                logger.exception("forward pass failed; failing the %d requests in it", len(running))
-                self._fail(running, e, finished)
+                logger.exception("forward pass failed; failing the %d requests in it", len(running) + len(chunks))
+                self._fail(running + [c.request for c in chunks], e, finished)
         self.num_steps += 1
         return [r.to_output() for r in self._touched(running, finished)]
 
-    def _admit(self, finished: list[Request]) -> None:
-        """Move waiting requests into free slots; a request whose data cannot be set up fails alone."""
-        admitted, rejected = self.scheduler.admit()
-        for request in admitted:
+    def _schedule_prompts(self, finished: list[Request]) -> list[Chunk]:
+        """Admit waiting requests and plan prompt chunks; a request whose data cannot be set up fails alone."""
+        chunks, joined, rejected = self.scheduler.schedule_prompts()
+        for request in joined:
             try:
                 self.sampler.on_admit(request)
             except Exception as e:
@@ -196,12 +202,13 @@ class LLMEngine:
             logger.exception("request %s could not be admitted", request.request_id, exc_info=error)
             self._finish(request, FinishReason.ERROR, finished,
                          f"the request could not be admitted: {type(error).__name__}: {error}")
+        return chunks
 
     def fail_running(self, error: BaseException) -> list[RequestOutput]:
         """After a step raised outside the isolation above: fail the requests it was running, so
         the next step starts from a clean batch instead of repeating the failure."""
         finished: list[Request] = []
-        victims = self.scheduler.running
+        victims = self.scheduler.holding
         if not victims:  # it failed before any request ran: the waiting ones are what it was handling
             victims = list(self.scheduler.waiting)
             self.scheduler.waiting.clear()
@@ -235,18 +242,25 @@ class LLMEngine:
             appended = True
         return appended
 
-    def _decode(self, running: list[Request], finished: list[Request]) -> None:
-        feeds = []
-        for r in running:  # every token not in the slot's KV cache yet: a prompt, one token, or forced ones
-            tokens = r.prompt_ids[r.cached_len:] + r.output_ids[max(0, r.cached_len - len(r.prompt_ids)):]
-            feeds.append(SlotFeed(r.slot, tokens, r.cached_len))
-            r.cached_len += len(tokens)
-        logits = self.runner.forward(feeds)
+    def _decode(self, running: list[Request], chunks: list[Chunk], finished: list[Request]) -> None:
+        # Active requests: every token not in their blocks yet (a prompt's last chunk, one sampled
+        # token, or forced ones), with logits; then prompt chunks of requests still joining, without.
+        feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len), r.cached_len) for r in running]
+        feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False) for c in chunks]
+        logits = self.runner.forward(feeds, self.block_pool.take_fresh())
+        for feed, request in zip(feeds, running + [c.request for c in chunks]):
+            self.scheduler.commit(request, len(feed.tokens))
+        if not running:
+            return
         if self.tokenizer.vocab_size < logits.shape[-1]:
             # Checkpoints pad the embedding matrix past the tokenizer: those ids are no tokens.
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
-        logits, failures = self.pipeline.apply(logits, self.scheduler.share_inputs,
-                                               all_greedy=all(r.params.greedy for r in running))
+        # guided mask → registered processors → penalties → SamplingParams.logit_bias, bad_words → sampler
+        share_inputs, all_greedy = self.scheduler.share_inputs, all(r.params.greedy for r in running)
+        logits, failures = self.pipeline.apply(logits, share_inputs, all_greedy)
+        logits = self.sampler.apply_penalties(logits, running)
+        logits, late = self.pipeline.apply_sampling_params(logits, share_inputs, all_greedy)
+        failures = {**late, **failures}
         result = self.sampler.sample(logits, running)
         now = time.monotonic()
         for row, request in enumerate(running):
@@ -304,7 +318,7 @@ class LLMEngine:
         for r in [r for r in self.scheduler.waiting if matches(r)]:
             self.scheduler.waiting.remove(r)
             self._finish(r, FinishReason.ABORT, finished)
-        for r in [r for r in self.scheduler.running if matches(r)]:
+        for r in [r for r in self.scheduler.holding if matches(r)]:
             self._finish(r, FinishReason.ABORT, finished)
 
     @staticmethod

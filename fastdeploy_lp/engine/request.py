@@ -20,7 +20,6 @@ class FinishReason(str, Enum):
     LENGTH = "length"      # max_tokens or the context limit
     ABORT = "abort"        # cancelled by the client
     ERROR = "error"        # a logits processor failed for this request
-    TOOL_CALLS = "tool_calls"
 
 
 @dataclass
@@ -121,21 +120,26 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     rng: np.random.Generator | None = None  # per-request stream, so a seed is batch-independent
-    bad_word_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
-    cached_len: int = 0                 # tokens of prompt + output whose keys/values are in the slot cache
+    cached_len: int = 0                 # tokens of prompt + output whose keys/values are in `blocks`
+    blocks: list[int] = field(default_factory=list)  # block table: KV blocks in position order
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks
+    registered: int = 0                 # leading full blocks made findable in the prefix cache
+    admission: int = 0                  # admission order (the most recent is preempted first)
+    active: bool = False                # in share_inputs: prompt computed, generating
+    resumed: bool = False               # preempted at least once
     pending_forced: deque = field(default_factory=deque)  # tokens processors declared certain
     _reported_tokens: int = 0
 
-    def recent_tokens(self, n: int) -> list[int]:
-        """The last `n` tokens of prompt + output, without copying either whole."""
-        if n <= 0:
-            return []
-        tail = self.output_ids[-n:]
-        return self.prompt_ids[max(0, len(self.prompt_ids) - (n - len(tail))):] + tail if len(tail) < n else tail
-
     @property
-    def max_bad_word_len(self) -> int:
-        return max((len(s) for s in self.bad_word_ids), default=1)
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens `[start, end)` of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
 
     @property
     def finished(self) -> bool:

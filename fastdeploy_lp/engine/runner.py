@@ -1,8 +1,9 @@
-"""The model runner: the decoder, its per-slot KV cache, and one forward pass per engine step.
+"""The model runner: the decoder, its paged KV cache, and one forward pass per engine step.
 
-A step feeds every active slot some new tokens: a whole prompt for a slot that just joined, one
-sampled token for a running slot, or several forced tokens. All of them run in one forward pass. The logits of each slot's last new token come
-back as one `[active_slots, vocab]` tensor in increasing slot order (the row convention).
+A step feeds every scheduled sequence some new tokens: a prompt chunk, one sampled token for a
+running request, or several forced tokens. All of them run in one forward pass; the logits of the
+last new token of each feed that asks for them come back as one `[rows, vocab]` tensor in the
+feeds' order (the engine passes the active slots in increasing slot order: the row convention).
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from dataclasses import dataclass
 import paddle
 
 from ..config import FDConfig
-from ..model import AttentionBatch, SequenceGroup, load_model
+from ..model import AttentionBatch, load_model
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SlotFeed:
-    slot: int
+class SequenceFeed:
+    """New tokens of one sequence for a pass: `tokens` go at positions `start..` of its `blocks`
+    (which cover them); `logits` asks for the last token's scores."""
+
+    blocks: list[int]
     tokens: list[int]
-    start: int  # position of tokens[0]; the slot's cache already holds positions < start
+    start: int
+    logits: bool = True
 
 
 def use_device(fd_config: FDConfig) -> None:
@@ -73,45 +78,71 @@ def cpu_vendor() -> str | None:
     return None
 
 
+def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
+    """Blocks in the KV pool: the configured number, or as many as the memory budget holds, but
+    no more than `max_num_seqs` sequences of `max_model_len` need (plus the null block)."""
+    cache = fd_config.cache_config
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if fd_config.device.startswith("gpu"):
+        total = paddle.device.cuda.get_device_properties().total_memory
+        budget = cache.gpu_memory_utilization * total - paddle.device.cuda.memory_allocated()
+        where = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+    else:
+        budget = cache.kv_cache_memory * 2**30
+        where = f"kv_cache_memory={cache.kv_cache_memory} GiB"
+    full = fd_config.max_num_seqs * -(-fd_config.max_model_len // cache.block_size) + 1
+    blocks = min(int(budget // block_bytes), full)
+    if blocks < 2:
+        raise ValueError(f"{where} leaves no room for the KV cache ({block_bytes / 2**20:.1f} MiB per block)")
+    tokens = (blocks - 1) * cache.block_size
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens) from %s", blocks, cache.block_size,
+                blocks * block_bytes / 2**30, tokens, where)
+    if tokens < fd_config.max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused",
+                       tokens, fd_config.max_model_len)
+    return blocks
+
+
 class ModelRunner:
+    """The decoder and its paged KV cache: one `[blocks * kv_heads * block_size, head_dim]` tensor
+    for the keys and one for the values of each layer (layers.AttentionBatch says how it is read)."""
+
     def __init__(self, fd_config: FDConfig):
         use_device(fd_config)
         cfg = fd_config.model_config
-        self.max_len = fd_config.max_model_len
-        self.model = load_model(cfg, max_positions=self.max_len)
-        shape = [fd_config.max_num_seqs * cfg.num_key_value_heads * self.max_len, cfg.head_dim]
-        self.kv_caches = [(paddle.zeros(shape, dtype=cfg.dtype), paddle.zeros(shape, dtype=cfg.dtype))
+        self.model = load_model(cfg, max_positions=fd_config.max_model_len)
+        cache = fd_config.cache_config
+        self.block_size = cache.block_size
+        self.kv_heads = cfg.num_key_value_heads
+        self.per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+        dtype_bytes = paddle.to_tensor([], dtype=cfg.dtype).element_size()
+        block_bytes = 2 * cfg.num_hidden_layers * self.kv_heads * self.block_size * cfg.head_dim * dtype_bytes
+        self.num_blocks = pool_blocks(fd_config, block_bytes)
+        shape = [self.num_blocks * self.kv_heads * self.block_size, cfg.head_dim]
+        # empty, not zeros: pages are committed as blocks are used, and every block is zeroed when
+        # it is handed out (AttentionBatch.zero_rows), the null block here.
+        self.kv_caches = [(paddle.empty(shape, dtype=cfg.dtype), paddle.empty(shape, dtype=cfg.dtype))
                           for _ in range(cfg.num_hidden_layers)]
+        null_rows = self.kv_heads * self.block_size
+        for pair in self.kv_caches:
+            for c in pair:
+                c[:null_rows] = 0
 
     @paddle.no_grad()
-    def forward(self, feeds: list[SlotFeed]) -> paddle.Tensor:
-        """Logits `[len(feeds), vocab]` (float32) for the last token of each feed, in the feeds' order.
-
-        All feeds run in one pass: tokens are laid out group by group (feeds adding the same number
-        of tokens), and the rows come back in the order the feeds were given.
-        """
-        by_length: dict[int, list[int]] = {}
-        for i, f in enumerate(feeds):
-            by_length.setdefault(len(f.tokens), []).append(i)
-        order = [i for n in sorted(by_length) for i in by_length[n]]
-        ids, positions, cache_rows, groups, last = [], [], [], [], []
-        for n in sorted(by_length):
-            group = [feeds[i] for i in by_length[n]]
-            groups.append(SequenceGroup(start=len(ids), new=n, slots=[f.slot for f in group],
-                                        lens=[f.start + n for f in group], max_len=self.max_len))
-            for f in group:
-                if f.start + n > self.max_len:
-                    raise ValueError(f"slot {f.slot} would exceed max_model_len={self.max_len}")
-                ids += f.tokens
-                positions += range(f.start, f.start + n)
-                base = f.slot * self.max_len
-                cache_rows += range(base + f.start, base + f.start + n)
-                last.append(len(ids) - 1)
-        batch = AttentionBatch(positions=paddle.to_tensor(positions, dtype="int64"),
-                               cache_rows=paddle.to_tensor(cache_rows, dtype="int64"), groups=groups)
+    def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
+        """Logits `[feeds asking for them, vocab]` (float32) for the last token of those feeds, in
+        the feeds' order. All feeds run in one pass, laid out group by group (feeds adding the same
+        number of tokens); `fresh_blocks` are zeroed first."""
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].tokens))
+        ids, last = [], {}
+        for i in order:
+            ids += feeds[i].tokens
+            last[i] = len(ids) - 1
+        batch = AttentionBatch.paged([(feeds[i].blocks, feeds[i].start, len(feeds[i].tokens)) for i in order],
+                                     self.block_size, self.kv_heads, self.per_kv, fresh_blocks)
         hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)
-        # One row per feed, put back into the given order.
-        back = [0] * len(feeds)
-        for row, i in enumerate(order):
-            back[i] = last[row]
-        return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(back, dtype="int64")))
+        rows = [last[i] for i, f in enumerate(feeds) if f.logits]
+        if not rows:
+            return paddle.zeros([0, self.model.config.vocab_size], dtype="float32")
+        return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64")))

@@ -1,47 +1,27 @@
-"""`SlotScheduler`: a waiting queue, `max_num_seqs` slots, and the `share_inputs` that mirror them.
+"""`SlotScheduler`: a waiting queue, `max_num_seqs` slots, KV blocks, and the `share_inputs` that mirror the slots.
 
-`share_inputs` is the per-slot contract processors read (docs/logits_processors.md). Every field
-has one entry per slot; `stop_flags[i]` is True when slot i is free or its request has finished.
-
-| field                    | type                           | meaning                                      |
-|--------------------------|--------------------------------|----------------------------------------------|
-| stop_flags               | np.ndarray[bool] [slots]       | True = slot not running                      |
-| req_ids                  | list[str or None]              | request id in the slot                       |
-| logits_processors_args   | list[LogitsProcessorArgs]      | the request's args (empty when none)         |
-| prompt_ids               | list[np.ndarray[int64]]        | prompt token ids                             |
-| prompt_lens              | np.ndarray[int64] [slots]      | prompt lengths                               |
-| output_ids               | list[list[int]]                | tokens generated so far (live list)          |
-| step_idx                 | np.ndarray[int64] [slots]      | number of tokens generated so far            |
-| next_tokens              | np.ndarray[int64] [slots]      | last sampled token (-1 before the first)     |
-| sampling_params          | list[SamplingParams or None]   | the request's full sampling parameters       |
-| admission_ids            | np.ndarray[int64] [slots]      | a number no other admission ever gets: tells a request that joined a slot from the one before it |
-| forced_tokens            | list[list[int]]                | written by processors in `update_state`: tokens certain to come next (see below) |
-| temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty |
-|                          | np.ndarray [slots]             | the request's sampling fields                |
-
-`forced_tokens` is the one field processors write. Tokens a processor appends to
-`forced_tokens[slot]` during `update_state` are appended to that request's output before its next
-sampled token: all at once in this step when fast-forward is on (one forward pass over them, like
-a small prefill), one per step otherwise, so the output is the same either way. A processor treats
-them as already generated when it publishes them; they then show up in `output_ids`.
+`share_inputs` is the per-slot contract processors read: `processors.base.ShareInputs` types it
+and docs/logits_processors.md describes each field; docs/kv_cache.md says when a request joins and
+leaves under chunked prefill and preemption. `SlotScheduler` is where it is written.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..processors.base import LogitsProcessorArgs
+from ..processors.base import LogitsProcessorArgs, ShareInputs
+from .kv_cache import BlockPool, block_hashes
 from .request import Request
 
-SHARE_INPUTS_VERSION = 1
 _SAMPLING_FIELDS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
                     "repetition_penalty": np.float32, "frequency_penalty": np.float32,
                     "presence_penalty": np.float32}
 
 
-def new_share_inputs(max_num_seqs: int) -> dict:
+def new_share_inputs(max_num_seqs: int) -> ShareInputs:
     s = max_num_seqs
     inputs = {
         "stop_flags": np.ones(s, dtype=bool),
@@ -61,40 +41,182 @@ def new_share_inputs(max_num_seqs: int) -> dict:
     return inputs
 
 
+@dataclass
+class Chunk:
+    """Tokens `[start, start + len(tokens))` of a request to compute in this step's pass."""
+
+    request: Request
+    start: int
+    tokens: list[int]
+
+
 class SlotScheduler:
-    def __init__(self, max_num_seqs: int):
+    """Which requests hold slots and KV blocks, and what each computes in the next pass.
+
+    A request holds a slot from admission to its end. While its prompt is computed, chunk by chunk
+    within the step's token budget, its slot stays stopped in `share_inputs`; it *joins* (becomes
+    active there) in the step that computes its last prompt token, whose logits give its first
+    token. Running requests are scheduled before prompts. When a running request needs a block and
+    none is free, the most recently admitted request is preempted: it leaves its slot (processors
+    see it finish), keeps its output, and later rejoins through the waiting queue, recomputing its
+    prompt and output (mostly from the prefix cache).
+    """
+
+    def __init__(self, max_num_seqs: int, pool: BlockPool, token_budget: int | None = None,
+                 chunked_prefill: bool = True):
         self.max_num_seqs = max_num_seqs
+        self.pool = pool
+        self.token_budget = token_budget
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.share_inputs = new_share_inputs(max_num_seqs)
         self._admissions = 0
+        self.num_preemptions = 0
 
     @property
     def running(self) -> list[Request]:
-        """Requests in slots, in increasing slot order (the row order of the logits)."""
+        """Active requests (prompt computed), in increasing slot order: the row order of the logits."""
+        return [r for r in self.slots if r is not None and r.active]
+
+    @property
+    def holding(self) -> list[Request]:
+        """Every request in a slot, active or still computing its prompt."""
         return [r for r in self.slots if r is not None]
 
-    def admit(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
-        """Move waiting requests into free slots, lowest slot first.
+    # -- prompts ------------------------------------------------------------------------------------
+    def schedule_prompts(self) -> tuple[list[Chunk], list[Request], list[tuple[Request, Exception]]]:
+        """Plan this step's prompt work within the token budget left after one token per running
+        request: continue prompts in admission order, then admit waiting requests into free slots.
 
-        Returns (admitted, rejected): a request whose values cannot be stored in its slot is
-        rejected with the error and leaves the slot free; the others are unaffected.
+        Returns (chunks, joined, rejected). A chunk that ends a prompt makes its request join:
+        it is placed in `share_inputs` now, so processors see it in this step's `update_state`.
         """
-        admitted, rejected = [], []
-        for slot in range(self.max_num_seqs):
-            while self.slots[slot] is None and self.waiting:
-                request = self.waiting.popleft()
+        budget = None if self.token_budget is None else self.token_budget - len(self.running)
+        chunks: list[Chunk] = []
+        for request in sorted((r for r in self.holding if not r.active), key=lambda r: r.admission):
+            if request.slot is None:  # preempted below, for an older request's chunk
+                continue
+            chunk = self._chunk(request, budget, first=not chunks, preempt=True)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget = None if budget is None else budget - len(chunk.tokens)
+        rejected = []
+        while self.waiting and (budget is None or budget > 0) and None in self.slots:
+            request = self.waiting[0]
+            chunk = self._admit(request, budget, first=not chunks)
+            if isinstance(chunk, Exception):
+                self.waiting.popleft()
+                rejected.append((request, chunk))
+                continue
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget = None if budget is None else budget - len(chunk.tokens)
+        joined = []
+        chunks = [c for c in chunks if c.request.slot is not None]
+        for chunk in chunks:
+            if chunk.start + len(chunk.tokens) == chunk.request.total_len:
                 try:
-                    self._place(request, slot)
-                    admitted.append(request)
-                except Exception as e:
-                    self.free(request)
-                    rejected.append((request, e))
-        return admitted, rejected
+                    self._place(chunk.request)
+                    joined.append(chunk.request)
+                except Exception as e:  # a value its slot cannot hold: it fails alone
+                    rejected.append((chunk.request, e))
+        return [c for c in chunks if not c.request.active], joined, rejected
 
-    def _place(self, request: Request, slot: int) -> None:
-        request.slot = slot
-        self.slots[slot] = request
+    def _chunk(self, request: Request, budget: int | None, first: bool, preempt: bool = False) -> Chunk | None:
+        """The next piece of `request`'s prompt that fits the budget and the free blocks (with
+        `preempt`, freeing blocks of requests admitted after it: otherwise prompts that filled the
+        pool between them could wait for each other forever)."""
+        start, remaining = request.cached_len, request.total_len - request.cached_len
+        size = remaining if budget is None else min(remaining, budget)
+        if size <= 0 or (size < remaining and not self.chunked_prefill and not first):
+            return None
+        if not self.chunked_prefill:
+            size = remaining  # whole prompts; the first of a step may exceed the budget
+        while not self._grow(request, start + size):
+            victim = max(self.holding, key=lambda r: r.admission) if preempt else request
+            if victim is request:
+                return None
+            self.preempt(victim)
+        return Chunk(request, start, request.tokens(start, start + size))
+
+    def _admit(self, request: Request, budget: int | None, first: bool) -> Chunk | Exception | None:
+        """Give `request` a slot, its cached prefix and blocks for a first chunk; None to wait."""
+        total = request.total_len
+        if self.pool.blocks_for(total) > self.pool.num_blocks - 1:
+            return ValueError(f"the request needs {total} tokens of KV cache; it holds {self.pool.capacity_tokens}")
+        hashes = request.block_hashes
+        if not hashes and self.pool.enable_prefix_caching:
+            hashes = block_hashes(request.tokens(0, total), self.pool.block_size)
+        # At least the last token is computed: its logits are the request's next token.
+        hit = self.pool.lookup(hashes, (total - 1) // self.pool.block_size)
+        request.blocks, request.cached_len, request.block_hashes = hit, len(hit) * self.pool.block_size, hashes
+        chunk = self._chunk(request, budget, first)
+        if chunk is None:
+            self.pool.release(request.blocks)
+            request.blocks, request.cached_len = [], 0
+            return None
+        if not request.resumed:
+            self.pool.record_lookup(total, request.cached_len)
+        request.slot = self.slots.index(None)
+        self.slots[request.slot] = request
+        self._admissions += 1
+        request.admission = self._admissions
+        return chunk
+
+    def _grow(self, request: Request, tokens: int) -> bool:
+        """Blocks for `tokens` positions of `request`; False (nothing taken) when the pool is short."""
+        need = self.pool.blocks_for(tokens) - len(request.blocks)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        request.blocks += blocks
+        return True
+
+    # -- running requests ---------------------------------------------------------------------------
+    def reserve_running(self) -> list[Request]:
+        """Blocks for every active request's uncomputed tokens, preempting the most recently
+        admitted requests when the pool is short. Returns the preempted active requests (they
+        left their slots; processors must see that before the pass)."""
+        preempted = []
+        for request in self.running:
+            while request.active and not self._grow(request, request.total_len):
+                victim = max(self.holding, key=lambda r: r.admission)
+                if victim.active:
+                    preempted.append(victim)
+                self.preempt(victim)
+        return preempted
+
+    def preempt(self, request: Request) -> None:
+        self.free(request)
+        request.cached_len = 0
+        request.resumed = True
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def commit(self, request: Request, computed: int) -> None:
+        """`computed` more tokens of `request` are in its blocks: make newly full blocks findable."""
+        request.cached_len += computed
+        if not self.pool.enable_prefix_caching:
+            return
+        size, full = self.pool.block_size, request.cached_len // self.pool.block_size
+        have = len(request.block_hashes)
+        if full > have:
+            parent = request.block_hashes[-1] if have else b""
+            request.block_hashes += block_hashes(request.tokens(have * size, full * size), size, parent)
+        for i in range(request.registered, full):
+            self.pool.register(request.blocks[i], request.block_hashes[i])
+        request.registered = max(request.registered, full)
+
+    # -- share_inputs -------------------------------------------------------------------------------
+    def _place(self, request: Request) -> None:
+        request.active = True
+        slot = request.slot
         s, p = self.share_inputs, request.params
         s["stop_flags"][slot] = False
         s["req_ids"][slot] = request.request_id
@@ -102,11 +224,10 @@ class SlotScheduler:
         s["prompt_ids"][slot] = np.asarray(request.prompt_ids, dtype=np.int64)
         s["prompt_lens"][slot] = len(request.prompt_ids)
         s["output_ids"][slot] = request.output_ids
-        s["step_idx"][slot] = 0
-        s["next_tokens"][slot] = -1
+        s["step_idx"][slot] = len(request.output_ids)
+        s["next_tokens"][slot] = request.output_ids[-1] if request.output_ids else -1
         s["sampling_params"][slot] = p
-        self._admissions += 1
-        s["admission_ids"][slot] = self._admissions
+        s["admission_ids"][slot] = request.admission
         s["forced_tokens"][slot] = []
         for name in _SAMPLING_FIELDS:
             s[name][slot] = getattr(p, name)
@@ -117,10 +238,14 @@ class SlotScheduler:
         s["next_tokens"][request.slot] = token
 
     def free(self, request: Request) -> None:
+        """Take `request` out of its slot and give back its blocks (cached ones stay findable)."""
+        self.pool.release(request.blocks)
+        request.blocks, request.registered = [], 0
         slot = request.slot
         if slot is None or self.slots[slot] is not request:
             return
         self.slots[slot] = None
+        request.slot, request.active = None, False
         s = self.share_inputs
         s["stop_flags"][slot] = True
         s["req_ids"][slot] = None

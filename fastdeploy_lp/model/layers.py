@@ -1,4 +1,4 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention over a slot KV cache.
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention over a paged KV cache.
 
 Linear weights are stored `[in, out]` (Paddle's convention) so every projection is one `matmul`;
 q/k/v and gate/up are fused into one weight each, which halves the kernel launches per layer.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
@@ -95,90 +96,121 @@ def apply_rotary(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> pa
     return x * cos + rotated * sin
 
 
-_EXPANDED_MASK_LIMIT = 1 << 26  # elements (256 MB of float32) of a per-pass expanded attention mask
+_SCORES_LIMIT = 1 << 24  # elements (64 MB of float32) of one attention score tensor
+_CAUSAL_CHUNK = 64  # query rows per chunk of a long prompt: later chunks skip the keys their mask hides
 
 
 @dataclass
 class SequenceGroup:
     """Sequences of one pass that each add `new` tokens; their tokens are `[start, end)` of the pass.
 
-    `slots[s]` is sequence s's slot and `lens[s]` its total length after this pass.
+    `lens[s]` is sequence s's total length after this pass and `tables[s]` its block table (block
+    ids in position order, padded with the null block 0). Long prompts are attended in query chunks
+    so a score tensor stays under `_SCORES_LIMIT` elements, and each chunk reads only the blocks its
+    causal mask can see.
     """
 
     start: int
     new: int
-    slots: list[int]
     lens: list[int]
-    max_len: int
+    tables: np.ndarray  # [S, blocks] int64
+    block_size: int
+    kv_heads: int
+    per_kv: int  # query heads per KV head
 
     def __post_init__(self):
         # Shared by every layer, so built once per forward pass.
-        self.end = self.start + self.new * len(self.slots)
-        self.span = max(self.lens)
-        # Read the cache through a view of the slots' range; gather only when slots have gaps.
-        lo, hi = min(self.slots), max(self.slots) + 1
-        self.slot_range = (lo, hi)
-        self.slot_index = (None if hi - lo == len(self.slots)
-                           else paddle.to_tensor([s - lo for s in self.slots], dtype="int64"))
-        self.mask = self._mask()
-        self._expanded: dict[tuple[int, int], paddle.Tensor | None] = {}
+        self.end = self.start + self.new * len(self.lens)
+        lens = np.asarray(self.lens, dtype=np.int64)
+        seqs, hkv = len(self.lens), self.kv_heads
+        per_row = seqs * hkv * self.per_kv * (int(lens.max()) + self.block_size)
+        step = max(1, min(self.new, _SCORES_LIMIT // per_row))
+        if _CAUSAL_CHUNK and self.new > 2 * _CAUSAL_CHUNK:
+            step = min(step, _CAUSAL_CHUNK)
+        self.chunks = [self._chunk(lens, a, min(a + step, self.new)) for a in range(0, self.new, step)]
 
-    def scores_mask(self, kv_heads: int, per_kv: int) -> paddle.Tensor | None:
-        """The mask laid out like the scores, [S, kv_heads, new * per_kv, L], built once per pass and
-        shared by every layer: a same-shape add ran 5x faster on CPU than broadcasting the 5-D mask.
-        None when it would pass `_EXPANDED_MASK_LIMIT` elements (long prefills): the caller then
-        broadcasts `mask`."""
-        key = (kv_heads, per_kv)
-        if key not in self._expanded:
-            size = len(self.slots) * kv_heads * self.new * per_kv * self.span
-            self._expanded[key] = None if size > _EXPANDED_MASK_LIMIT else self.mask.expand(
-                [len(self.slots), kv_heads, self.new, per_kv, self.span]).contiguous().reshape(
-                [len(self.slots), kv_heads, self.new * per_kv, self.span])
-        return self._expanded[key]
+    def _chunk(self, lens: np.ndarray, a: int, b: int) -> "QueryChunk":
+        """Queries `[a, b)` of each sequence: which cache rows they read, and their mask."""
+        span = int((lens - self.new + b).max())  # the last query of the chunk sees this many keys
+        blocks = -(-span // self.block_size)
+        table = self.tables[:, :blocks]
+        # Row of (sequence, kv head, block) in the cache viewed as [blocks * kv_heads, block_size * dim].
+        rows = (table[:, None, :] * self.kv_heads + np.arange(self.kv_heads)[None, :, None]).reshape(-1)
+        length = blocks * self.block_size
+        i = np.arange(a, b)[None, :, None]
+        j = np.arange(length)[None, None, :]
+        visible = j <= (lens - self.new)[:, None, None] + i  # causal, and within the sequence
+        mask = np.where(visible, np.float32(0), np.float32(-np.inf))  # [S, q, L]
+        mask = np.broadcast_to(mask[:, None, :, None, :], (len(lens), self.kv_heads, b - a, self.per_kv, length))
+        return QueryChunk(a, b, length, paddle.to_tensor(rows),
+                          paddle.to_tensor(np.ascontiguousarray(mask).reshape(len(lens), self.kv_heads, -1, length)))
 
-    def _mask(self) -> paddle.Tensor:
-        """Additive mask [S, 1, new, 1, L]: key j is visible to new token i of sequence s when
-        j <= (len_s - new) + i, which is both the causal rule and the sequence's length."""
-        lens = paddle.to_tensor(self.lens, dtype="int64").reshape([-1, 1, 1])
-        i = paddle.arange(self.new, dtype="int64").reshape([1, -1, 1])
-        j = paddle.arange(self.span, dtype="int64").reshape([1, 1, -1])
-        visible = j <= lens - self.new + i
-        mask = paddle.where(visible, paddle.zeros([1], "float32"), paddle.full([1], float("-inf"), "float32"))
-        return mask.unsqueeze(1).unsqueeze(3)
+
+@dataclass
+class QueryChunk:
+    a: int
+    b: int
+    length: int             # keys read: whole blocks up to the furthest one visible
+    rows: paddle.Tensor     # cache rows to gather, [S * kv_heads * blocks]
+    mask: paddle.Tensor     # additive, laid out like the scores: [S, kv_heads, (b - a) * per_kv, length]
 
 
 @dataclass
 class AttentionBatch:
-    """Where the tokens of one forward pass sit in the KV cache.
+    """Where the tokens of one forward pass sit in the paged KV cache.
 
-    Tokens are flattened: `positions[i]` is token i's absolute position and `cache_rows[i]` its
-    place `slot * max_len + position` in the slot cache. Each layer's cache is `[slots, kv_heads,
-    max_len, head_dim]` stored flat as `[slots * kv_heads * max_len, head_dim]`, so a slot's keys
-    for one head are contiguous rows that attention reads without copying. The projections and MLPs run over all
-    tokens at once; attention runs per `SequenceGroup` (sequences adding equally many tokens), so
-    prompts, decodes and forced tokens of any mix share one pass. No groups means a plain causal
-    pass over one sequence (training and reference tests).
+    Tokens are flattened: `positions[i]` is token i's absolute position. Each layer's cache is
+    `[blocks, kv_heads, block_size, head_dim]`, stored flat; `write_rows` is where every (token, kv
+    head) of the pass goes in its `[-1, head_dim]` view, token-major (the order of
+    `k.reshape([-1, head_dim])`). `zero_rows` are rows of the `[blocks * kv_heads, block_size *
+    head_dim]` view to clear before writing: blocks handed out since the last pass, which may hold
+    another request's stale (or non-finite) values where this one has not written yet. The
+    projections and MLPs run over all tokens at once; attention runs per `SequenceGroup`
+    (sequences adding equally many tokens), so prompts, prompt chunks, decodes and forced tokens of
+    any mix share one pass. No groups means a plain causal pass over one sequence (training and
+    reference tests).
     """
 
     positions: paddle.Tensor
-    cache_rows: paddle.Tensor | None = None
+    write_rows: paddle.Tensor | None = None
     groups: list[SequenceGroup] | None = None
+    zero_rows: paddle.Tensor | None = None
     _rotary: tuple | None = field(default=None, init=False, repr=False)
-    _head_rows: paddle.Tensor | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def paged(cls, sequences: list[tuple[list[int], int, int]], block_size: int, kv_heads: int, per_kv: int,
+              fresh_blocks: list[int] = ()) -> "AttentionBatch":
+        """A pass over `sequences`, each `(block_table, start, new)`: `new` tokens at positions
+        `start..`, laid out in the order given, where sequences adding equally many tokens must be
+        adjacent (each run becomes one `SequenceGroup`)."""
+        positions, rows, groups, offset, i = [], [], [], 0, 0
+        while i < len(sequences):
+            n = sequences[i][2]
+            run = sequences[i:]
+            run = run[:next((k for k, s in enumerate(run) if s[2] != n), len(run))]
+            width = max(-(-(start + n) // block_size) for _, start, _ in run)
+            tables = np.zeros((len(run), width), dtype=np.int64)
+            for s, (table, start, new) in enumerate(run):
+                pos = np.arange(start, start + new)
+                blocks = np.asarray(table, dtype=np.int64)
+                tables[s, :min(len(blocks), width)] = blocks[:width]
+                slot_rows = (blocks[pos // block_size] * kv_heads)[:, None] + np.arange(kv_heads)[None, :]
+                rows.append((slot_rows * block_size + (pos % block_size)[:, None]).reshape(-1))
+                positions.append(pos)
+            groups.append(SequenceGroup(offset, n, [start + new for _, start, new in run], tables,
+                                        block_size, kv_heads, per_kv))
+            offset += n * len(run)
+            i += len(run)
+        zero = np.asarray(fresh_blocks, dtype=np.int64)
+        zero_rows = (zero[:, None] * kv_heads + np.arange(kv_heads)[None, :]).reshape(-1) if len(zero) else None
+        return cls(positions=paddle.to_tensor(np.concatenate(positions)),
+                   write_rows=paddle.to_tensor(np.concatenate(rows)), groups=groups,
+                   zero_rows=None if zero_rows is None else paddle.to_tensor(zero_rows))
 
     def rotary_tables(self, rotary: "RotaryEmbedding", dtype):
         if self._rotary is None:
             self._rotary = rotary.tables(self.positions, dtype)
         return self._rotary
-
-    def head_rows(self, kv_heads: int) -> paddle.Tensor:
-        """Flat cache row of every (token, kv head), token-major: where `k.reshape([-1, head_dim])` goes."""
-        if self._head_rows is None:
-            max_len = self.groups[0].max_len
-            slot, pos = self.cache_rows // max_len, self.cache_rows % max_len
-            heads = paddle.arange(kv_heads, dtype="int64").unsqueeze(0)
-            self._head_rows = ((slot.unsqueeze(1) * kv_heads + heads) * max_len + pos.unsqueeze(1)).reshape([-1])
-        return self._head_rows
 
 
 class Attention(nn.Layer):
@@ -215,17 +247,15 @@ class Attention(nn.Layer):
             out = self._causal(q, k, v)
         else:
             k_cache, v_cache = kv_cache
-            rows = batch.head_rows(self.num_kv_heads)
-            k_cache.scatter_(rows, k.reshape([-1, self.head_dim]), overwrite=True)
-            v_cache.scatter_(rows, v.reshape([-1, self.head_dim]), overwrite=True)
+            if batch.zero_rows is not None:
+                for cache in kv_cache:
+                    blocks = cache.reshape([-1, cache.shape[-1] * batch.groups[0].block_size])
+                    blocks.scatter_(batch.zero_rows, paddle.zeros([batch.zero_rows.shape[0], blocks.shape[-1]],
+                                                                  cache.dtype), overwrite=True)
+            k_cache.scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
+            v_cache.scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
             out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
         return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
-
-    def _slot_view(self, cache, group: SequenceGroup):
-        """[S, Hkv, span, D]: a strided view of the cache when the group's slots are contiguous."""
-        lo, hi = group.slot_range
-        view = cache.reshape([-1, self.num_kv_heads, group.max_len, self.head_dim])[lo:hi, :, :group.span]
-        return view if group.slot_index is None else paddle.index_select(view, group.slot_index)
 
     def _causal(self, q, k, v):
         """One sequence, all positions (training and tests): [T, H, D] -> [T, H, D]."""
@@ -238,28 +268,28 @@ class Attention(nn.Layer):
         return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
 
     def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
-        """Attention of new tokens over their sequences' cached keys (prefill or batched decode).
+        """Attention of new tokens over their sequences' cached keys (prefill chunks or batched decode).
 
         Heads sharing a KV head are folded into the query-length axis, so each product is one
-        batched matmul over [sequences, kv heads] that reads the cache views in place.
+        batched matmul over [sequences, kv heads] on keys gathered block by block.
         """
-        seqs, new, span = len(group.slots), group.new, group.span
+        seqs, new = len(group.lens), group.new
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        keys, values = (self._slot_view(c, group) for c in (k_cache, v_cache))              # [S, Hkv, L, D]
         # Scale q, not the scores: they are span/dim times larger, and every pass over them counts.
         q = (q * self.scale).reshape([seqs, new, hkv, per_kv, dim]).transpose([0, 2, 1, 3, 4])
-        scores = paddle.matmul(q.reshape([seqs, hkv, new * per_kv, dim]), keys, transpose_y=True)
-        if scores.dtype != paddle.float32:
-            scores = scores.astype("float32")
-        mask = group.scores_mask(hkv, per_kv)
-        if mask is not None:
-            scores = scores + mask
-        else:
-            scores = (scores.reshape([seqs, hkv, new, per_kv, span]) + group.mask).reshape([seqs, hkv, new * per_kv, span])
-        probs = F.softmax(scores, axis=-1)
-        if probs.dtype != q.dtype:
-            probs = probs.astype(q.dtype)
-        out = paddle.matmul(probs, values).reshape([seqs, hkv, new, per_kv, dim])
+        outs = []
+        for chunk in group.chunks:
+            keys, values = (paddle.index_select(c.reshape([-1, group.block_size * dim]), chunk.rows)
+                            .reshape([seqs, hkv, chunk.length, dim]) for c in (k_cache, v_cache))
+            q_chunk = q if len(group.chunks) == 1 else q[:, :, chunk.a:chunk.b]
+            scores = paddle.matmul(q_chunk.reshape([seqs, hkv, -1, dim]), keys, transpose_y=True)
+            if scores.dtype != paddle.float32:
+                scores = scores.astype("float32")
+            probs = F.softmax(scores + chunk.mask, axis=-1)
+            if probs.dtype != q.dtype:
+                probs = probs.astype(q.dtype)
+            outs.append(paddle.matmul(probs, values).reshape([seqs, hkv, chunk.b - chunk.a, per_kv, dim]))
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=2)
         return out.transpose([0, 2, 1, 3, 4]).reshape([-1, self.num_heads, dim])
 
 
