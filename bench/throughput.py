@@ -68,7 +68,7 @@ AIMS = {"decode": {1: 1.1, 8: 1.25, 32: 1.25}, "ttft": {8: 0.9, 32: 0.9}}  # our
 def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
     """Achieved prefill GFLOP/s (linear layers and LM head) against Paddle's own GEMM rate on the
     same shapes, measured warm in the same process."""
-    from fastdeploy_lp.engine.runner import SlotFeed
+    from fastdeploy_lp.engine.runner import SequenceFeed
 
     cfg = llm.engine.fd_config.model_config
     h, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
@@ -92,11 +92,15 @@ def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
     weights = [k * n for k, n in shapes]
     gemm = sum(weights) / sum(w / r for w, r in zip(weights, rates))
     rng = np.random.default_rng(1)
-    feeds = [SlotFeed(s, rng.integers(0, cfg.vocab_size - 3, prompt_len).tolist(), 0) for s in range(seqs)]
-    llm.engine.runner.forward(feeds[:1])
+    pool = llm.engine.block_pool
+    blocks = [pool.allocate(pool.blocks_for(prompt_len)) for _ in range(seqs)]
+    feeds = [SequenceFeed(b, rng.integers(0, cfg.vocab_size - 3, prompt_len).tolist(), 0) for b in blocks]
+    llm.engine.runner.forward(feeds[:1], pool.take_fresh())
     start = time.perf_counter()
     llm.engine.runner.forward(feeds).numpy()
     seconds = time.perf_counter() - start
+    for b in blocks:
+        pool.release(b)
     flops = 2 * (tokens * cfg.num_hidden_layers * sum(weights) + seqs * h * cfg.vocab_size)
     achieved = flops / seconds / 1e9
     return {"seqs": seqs, "prompt_len": prompt_len, "seconds": seconds, "achieved_gflops": achieved,
@@ -121,7 +125,9 @@ def main() -> None:
     args = ap.parse_args()
 
     rng = np.random.default_rng(0)
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=max(args.prompt_lens) + args.output_len + 8)
+    # Prefix caching off: the warm-up's prompt would otherwise be a cache hit in the timed run.
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=max(args.prompt_lens) + args.output_len + 8,
+              enable_prefix_caching=False)
     vocab = llm.tokenizer.vocab_size
     rows = []
     for prompt_len in args.prompt_lens:

@@ -123,6 +123,12 @@ class SamplingParams:
         if self.bad_words is not None:
             _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words),
                    "bad_words", "must be a list of non-empty strings", self.bad_words)
+        if isinstance(self.guided_decoding, dict):  # vLLM accepts the mapping form too
+            unknown = sorted(set(self.guided_decoding) - {f.name for f in fields(GuidedDecodingParams)})
+            _check(not unknown, "guided_decoding", f"unknown keys {unknown}", self.guided_decoding)
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+        _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+               "guided_decoding", "must be a GuidedDecodingParams or a dict of its fields", self.guided_decoding)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The model-dependent half of this object's validation, made at admission: token ids in

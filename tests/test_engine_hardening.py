@@ -221,3 +221,14 @@ def test_step_outputs_do_not_copy_the_history(default_llm):
     assert "".join(o.outputs.delta_text for o in outputs) == outputs[-1].outputs.text
     assert outputs[-1].outputs.text == default_llm.tokenizer.decode(outputs[-1].outputs.token_ids)
     assert outputs[5].outputs.text == "".join(o.outputs.delta_text for o in outputs[:6])
+
+
+@pytest.mark.parametrize("value", [{"jsn": {}}, "json", 3, {}])
+def test_guided_decoding_must_be_params_or_their_mapping(value):
+    with pytest.raises(ValueError, match="^guided_decoding: "):
+        SamplingParams(guided_decoding=value)
+
+
+def test_guided_decoding_as_a_mapping_is_the_params():
+    params = SamplingParams(guided_decoding={"regex": "[ab]+"})
+    assert params.guided_decoding == GuidedDecodingParams(regex="[ab]+")
