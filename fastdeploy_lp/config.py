@@ -345,15 +345,21 @@ class FDConfig:
     custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
     cache_config: CacheConfig = field(default_factory=CacheConfig)
+    # Ranks the model is split over (docs/distributed.md); each holds 1/N of the heads, MLP columns
+    # and vocabulary, and of the KV cache. 1: this process runs the model itself.
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                device: str | None = None, dtype: str | None = None,
                logits_processors: list[str] | None = None,
                guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-               logits_processor_timeout_s: float | None = 2.0) -> "FDConfig":
+               logits_processor_timeout_s: float | None = 2.0, tensor_parallel_size: int = 1) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
+        from .distributed.checks import check_tensor_parallel
+
+        check_tensor_parallel(model_config, device, tensor_parallel_size)  # before any weight loads
         if dtype in (None, "auto"):
             dtype = model_config.checkpoint_dtype
         dtype = normalize_dtype(dtype)
@@ -381,4 +387,4 @@ class FDConfig:
         return cls(model_config=model_config, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    device=device, logits_processors=list(logits_processors or []),
                    guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                   logits_processor_timeout_s=logits_processor_timeout_s)
+                   logits_processor_timeout_s=logits_processor_timeout_s, tensor_parallel_size=tensor_parallel_size)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI
 
+from ...distributed.runner import TensorParallelError
 from ...engine.async_engine import AsyncLLMEngine
 from ...engine.engine import LLMEngine
 from ...engine.llm import build_engine
@@ -107,7 +108,8 @@ def engine_from_args(args: argparse.Namespace) -> LLMEngine:
                         logits_processor_timeout_s=args.logits_processor_timeout or None,
                         guided_whitespace_pattern=args.guided_whitespace_pattern,
                         reasoning_parser=args.reasoning_parser, tool_functions=args.tool_functions,
-                        custom_guided_decoding_backends=custom, cache_config=cache_config_from_args(args))
+                        custom_guided_decoding_backends=custom, cache_config=cache_config_from_args(args),
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -132,6 +134,17 @@ class GracefulServer(uvicorn.Server):
         self.app = app
         self._drain: asyncio.Task | None = None
         self._signalled = False
+        self.fatal: str | None = None  # why the server stopped by itself (the exit status is then 1)
+
+    def stop_fatally(self, message: str) -> None:
+        """The engine can no longer run the model (a tensor-parallel worker died): refuse new
+        requests, end the running ones with an error, and exit with status 1. Any thread."""
+        if self.fatal is None:
+            self.fatal = message
+            logger.critical("the server stops: %s", message)
+        self._signalled = True  # no drain: nothing running can finish
+        self.app.state.draining = True
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if self._signalled:  # asked twice: stop now
@@ -169,7 +182,8 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = engine_from_args(args)
-    except (ValueError, OSError, ImportError) as e:  # bad processor name, missing model, bad flag value
+    except (ValueError, OSError, ImportError, TensorParallelError) as e:  # bad processor name, missing model,
+        # bad flag value, a tensor-parallel worker that died while starting
         print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(args.model)}", file=sys.stderr)
         return 2
     app = build_app(engine, settings_from_args(args))
@@ -181,16 +195,19 @@ def run_server(args: argparse.Namespace) -> int:
             metrics_server = start_http_server(args.metrics_port, addr=args.host, registry=app.state.metrics.registry)
         except OSError as e:
             print(f"fastdeploy-lp: cannot start: --metrics-port {args.metrics_port}: {e}", file=sys.stderr)
+            engine.runner.close()
             return 2
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, app)
+    engine.runner.on_failure(server.stop_fatally)
     try:
         server.run()
     finally:
         if isinstance(metrics_server, tuple):
             metrics_server[0].shutdown()
-    return 0 if server.started else 1
+        engine.runner.close()  # the tensor-parallel workers, if any
+    return 0 if server.started and server.fatal is None else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_cache_args(parser.add_argument_group("KV cache and scheduling"))
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_compat_args(parser.add_argument_group(
-        "FastDeploy compatibility (accepted, unused: this engine is one process)"))
+        "FastDeploy compatibility (accepted, unused: ranks talk over pipes and Paddle's process group)"))
     return parser
 
 
@@ -78,6 +78,9 @@ def _add_engine_args(model) -> None:
     model.add_argument("--dtype", default="auto",
                        help="Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16. "
                             "CPU always computes in float32.")
+    model.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
+                       help="Split the model over N worker processes (GPUs from --device on, NCCL; or CPU, "
+                            "gloo): heads, MLP columns, vocabulary and KV cache per rank. See docs/distributed.md.")
 
 
 def _add_decoding_args(model) -> None:

@@ -65,7 +65,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.runner = ModelRunner(fd_config)
+        self.runner = ModelRunner.create(fd_config)
         cache = fd_config.cache_config
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.pipeline = LogitsProcessorPipeline(fd_config, fd_config.logits_processors,

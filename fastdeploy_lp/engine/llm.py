@@ -27,14 +27,15 @@ def build_engine(model: str | None = None, *, logits_processors: list[str] | tup
                  tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
                  guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
                  custom_guided_decoding_backends: dict[str, Any] | None = None,
-                 cache_config: CacheConfig | None = None) -> LLMEngine:
+                 cache_config: CacheConfig | None = None, tensor_parallel_size: int = 1) -> LLMEngine:
     """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
 
     Cheap checks come first (processor list, guided-decoding backend, reasoning parser, tool
     functions), so a bad value fails before the checkpoint loads. `custom_guided_decoding_backends`
     is a dict of already loaded backends (name -> `CustomBackend`; the server loads them from
     `--custom-guided-decoding-backends`). Every error is a `ValueError` (or `OSError` for a missing
-    model) naming the argument.
+    model) naming the argument. `tensor_parallel_size` > 1 splits the model over that many processes
+    (docs/distributed.md); its checks also run before any weight loads.
     """
     if logits_processors is not None and not isinstance(logits_processors, (list, tuple)):
         raise ValueError("logits_processors: must be a list of processor names")
@@ -47,7 +48,8 @@ def build_engine(model: str | None = None, *, logits_processors: list[str] | tup
     fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
                                 dtype=dtype, logits_processors=list(logits_processors or []),
                                 guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                                logits_processor_timeout_s=logits_processor_timeout_s)
+                                logits_processor_timeout_s=logits_processor_timeout_s,
+                                tensor_parallel_size=tensor_parallel_size)
     fd_config.custom_guided_decoding_backends = custom
     fd_config.cache_config = cache_config or CacheConfig()
     fd_config.guided_whitespace_pattern = guided_whitespace_pattern
@@ -66,7 +68,12 @@ class LLM:
 
     `model` defaults to the model that ships with the package. `tool_functions` (a dict of
     callables, or `"pkg.module:REGISTRY"`) serves `ToolExecutionLogitsProcessor`. `engine_worker_queue_port` and
-    `cache_queue_port` are accepted (and unused: there is one process) so FastDeploy snippets run.
+    `cache_queue_port` are accepted (and unused) so FastDeploy snippets run.
+
+    `tensor_parallel_size=N` splits the model over N worker processes started with
+    `paddle.distributed.spawn` (docs/distributed.md): a script doing that needs the usual
+    `if __name__ == "__main__":` guard. If a worker dies, `generate` raises `RuntimeError`; the
+    workers stop when the `LLM` is collected or the interpreter exits.
     """
 
     def __init__(self, model: str | None = None, *, logits_processors: list[str] | None = None,
@@ -78,7 +85,7 @@ class LLM:
                  block_size: int = 16, kv_cache_memory: float = 4.0, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
-                 **unsupported: Any):
+                 tensor_parallel_size: int = 1, **unsupported: Any):
         if unsupported:
             raise ValueError(f"{next(iter(unsupported))}: not an LLM() argument")
         cache_config = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -91,7 +98,8 @@ class LLM:
                                    guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
                                    tool_functions=tool_functions, logits_processor_timeout_s=logits_processor_timeout_s,
                                    guided_whitespace_pattern=guided_whitespace_pattern,
-                                   reasoning_parser=reasoning_parser, cache_config=cache_config)
+                                   reasoning_parser=reasoning_parser, cache_config=cache_config,
+                                   tensor_parallel_size=tensor_parallel_size)
         self.fd_config = self.engine.fd_config
         self.tokenizer = self.engine.tokenizer
 
@@ -129,6 +137,9 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = [r for prompt, p in zip(prompts, params)
                     for r in self.engine.make_requests(prompt, p, add_special_tokens=add_special_tokens)]
+        runner = self.engine.runner
+        if runner.failure is not None:
+            raise RuntimeError(runner.failure)
         self.engine.enqueue(requests)
         order = [r.request_id for r in requests]
         done: dict[str, RequestOutput] = {}
@@ -138,4 +149,6 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
+                if runner.failure is not None:  # a tensor-parallel worker died: nothing more can run
+                    raise RuntimeError(runner.failure)
         return [done[i] for i in order]

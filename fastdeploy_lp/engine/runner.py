@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import paddle
 
 from ..config import FDConfig
+from ..distributed.shard import TensorShard
 from ..model import AttentionBatch, load_model
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,12 @@ def cpu_vendor() -> str | None:
 
 def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
     """Blocks in the KV pool: the configured number, or as many as the memory budget holds, but
-    no more than `max_num_seqs` sequences of `max_model_len` need (plus the null block)."""
+    no more than `max_num_seqs` sequences of `max_model_len` need (plus the null block).
+
+    Under tensor parallelism `block_bytes` is one rank's share (its KV heads): on GPU each rank
+    sizes by its own device's memory; on CPU the ranks share the host, so each gets
+    `kv_cache_memory / tensor_parallel_size` and the pool holds as many blocks as with one rank.
+    """
     cache = fd_config.cache_config
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -89,7 +95,7 @@ def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
         budget = cache.gpu_memory_utilization * total - paddle.device.cuda.memory_allocated()
         where = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
-        budget = cache.kv_cache_memory * 2**30
+        budget = cache.kv_cache_memory * 2**30 / fd_config.tensor_parallel_size
         where = f"kv_cache_memory={cache.kv_cache_memory} GiB"
     full = fd_config.max_num_seqs * -(-fd_config.max_model_len // cache.block_size) + 1
     blocks = min(int(budget // block_bytes), full)
@@ -106,19 +112,38 @@ def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
 
 class ModelRunner:
     """The decoder and its paged KV cache: one `[blocks * kv_heads * block_size, head_dim]` tensor
-    for the keys and one for the values of each layer (layers.AttentionBatch says how it is read)."""
+    for the keys and one for the values of each layer (layers.AttentionBatch says how it is read).
 
-    def __init__(self, fd_config: FDConfig):
+    The engine builds its runner with `ModelRunner.create`: this class when the model runs in the
+    engine's process, `distributed.runner.TensorParallelRunner` (same interface) when it is split
+    over `tensor_parallel_size` processes. Each of those processes runs a `ModelRunner` with a
+    `shard`: its slice of the model, its KV heads' slice of the cache (same block ids everywhere).
+    """
+
+    failure: str | None = None  # why passes can no longer run (a tensor-parallel rank died); None here
+
+    @classmethod
+    def create(cls, fd_config: FDConfig):
+        """The runner `fd_config` asks for: this one, or the tensor-parallel one."""
+        if fd_config.tensor_parallel_size > 1:
+            from ..distributed.runner import TensorParallelRunner
+
+            return TensorParallelRunner(fd_config)
+        return cls(fd_config)
+
+    def __init__(self, fd_config: FDConfig, shard: TensorShard | None = None):
         use_device(fd_config)
         cfg = fd_config.model_config
-        self.model = load_model(cfg, max_positions=fd_config.max_model_len)
+        self.model = load_model(cfg, max_positions=fd_config.max_model_len, shard=shard)
         cache = fd_config.cache_config
         self.block_size = cache.block_size
-        self.kv_heads = cfg.num_key_value_heads
+        self.kv_heads = cfg.num_key_value_heads // (1 if shard is None else shard.size)
         self.per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         dtype_bytes = paddle.to_tensor([], dtype=cfg.dtype).element_size()
         block_bytes = 2 * cfg.num_hidden_layers * self.kv_heads * self.block_size * cfg.head_dim * dtype_bytes
         self.num_blocks = pool_blocks(fd_config, block_bytes)
+        if shard is not None:  # the block ids the engine hands out must exist on every rank
+            self.num_blocks = shard.agree_min(self.num_blocks)
         shape = [self.num_blocks * self.kv_heads * self.block_size, cfg.head_dim]
         # empty, not zeros: pages are committed as blocks are used, and every block is zeroed when
         # it is handed out (AttentionBatch.zero_rows), the null block here.
@@ -146,3 +171,9 @@ class ModelRunner:
         if not rows:
             return paddle.zeros([0, self.model.config.vocab_size], dtype="float32")
         return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64")))
+
+    def on_failure(self, callback) -> None:
+        """`callback(message)` runs if the runner can no longer run passes; one process never gets there."""
+
+    def close(self) -> None:
+        """Release what the runner started (the tensor-parallel workers); nothing here."""

@@ -11,16 +11,17 @@ import paddle
 from paddle import nn
 
 from ..config import ModelConfig
+from ..distributed.shard import TensorShard
 from .layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     def forward(self, x, batch, rotary, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
@@ -32,20 +33,38 @@ class DecoderForCausalLM(nn.Layer):
 
     Without a cache (`kv_caches=None`) the input is one sequence run causally, which is what
     training and the reference tests use; the engine always passes the slot cache.
+
+    With a `shard` (tensor parallelism, `fastdeploy_lp.distributed`) every rank builds the same
+    decoder over its slice: `1/size` of the heads and MLP columns (layers.Attention, layers.MLP)
+    and rows `vocab_range` of the embedding and LM head (one shard serves both when they are
+    tied). All ranks run `forward` on the same inputs; `logits` gives every rank the full vocabulary.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, shard: TensorShard | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.LayerList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.shard = shard
+        self.vocab_range = (0, config.vocab_size) if shard is None else shard.part(config.vocab_size)
+        vocab = self.vocab_range[1] - self.vocab_range[0]
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(config, shard) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.lm_head = (None if config.tie_word_embeddings  # [vocab, hidden], like the embedding
-                        else self.create_parameter([config.vocab_size, config.hidden_size]))
+                        else self.create_parameter([vocab, config.hidden_size]))
+
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        """Token embeddings; sharded, each rank looks up the ids in its rows (zeros for the others)
+        and the ranks' results are summed."""
+        if self.shard is None:
+            return self.embed_tokens(input_ids)
+        start, end = self.vocab_range
+        mine = (input_ids >= start) & (input_ids < end)
+        x = self.embed_tokens(paddle.where(mine, input_ids - start, paddle.zeros_like(input_ids)))
+        return self.shard.all_reduce(x * mine.unsqueeze(-1).astype(x.dtype))
 
     def forward(self, input_ids: paddle.Tensor, batch: AttentionBatch, kv_caches=None) -> paddle.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
@@ -55,6 +74,8 @@ class DecoderForCausalLM(nn.Layer):
         # weight @ hidden^T, transposed back: for a few rows Paddle's CPU GEMM streams the wide
         # [vocab, hidden] matrix ~1.5x faster this way round than hidden @ weight^T.
         out = paddle.matmul(weight, hidden, transpose_y=True).T.contiguous()
+        if self.shard is not None:  # each rank scored its rows of the vocabulary
+            out = self.shard.all_gather(out, axis=-1)
         return out.astype("float32")
 
     def full_logits(self, input_ids: list[int]) -> paddle.Tensor:

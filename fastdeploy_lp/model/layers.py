@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..config import ModelConfig
+from ..distributed.shard import TensorShard
 from .activations import activation
 
 
@@ -214,10 +215,16 @@ class AttentionBatch:
 
 
 class Attention(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    """Self-attention with fused q/k/v. With a `shard` (tensor parallelism) this rank holds
+    `1/size` of the query and KV heads (their q/k/v rows and o_proj columns) and its slice of the
+    KV cache; o_proj's partial sums are all-reduced and its bias added once, after that."""
+
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.shard = shard
+        ranks = 1 if shard is None else shard.size
+        self.num_heads = config.num_attention_heads // ranks
+        self.num_kv_heads = config.num_key_value_heads // ranks
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -255,7 +262,10 @@ class Attention(nn.Layer):
             k_cache.scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
             v_cache.scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
             out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
-        return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
+        if self.shard is None:
+            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
+        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight))  # row-parallel
+        return out if self.o_bias is None else out + self.o_bias
 
     def _causal(self, q, k, v):
         """One sequence, all positions (training and tests): [T, H, D] -> [T, H, D]."""
@@ -294,17 +304,23 @@ class Attention(nn.Layer):
 
 
 class MLP(nn.Layer):
-    """Gated MLP: `down(act(gate(x)) * up(x))`, `act` the config's `hidden_act`, biases with `mlp_bias`."""
+    """Gated MLP: `down(act(gate(x)) * up(x))`, `act` the config's `hidden_act`, biases with `mlp_bias`.
 
-    def __init__(self, config: ModelConfig):
+    With a `shard` this rank holds `1/size` of the MLP columns: gate/up rows stay fused as
+    `[gate_shard; up_shard]` (the layout `F.swiglu` splits), down_proj's partial sums are
+    all-reduced and its bias added once, after that.
+    """
+
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.shard = shard
+        self.intermediate = config.intermediate_size // (1 if shard is None else shard.size)
         self.act = activation(config.hidden_act)
         # silu(gate) * up in one fused kernel that also splits gate_up: 2x faster than split, silu, mul
         self.fused_swiglu = config.hidden_act in ("silu", "swish")
-        self.gate_up_weight = self.create_parameter([2 * config.intermediate_size, config.hidden_size])  # [out, in]
-        self.down_weight = self.create_parameter([config.hidden_size, config.intermediate_size])
-        self.gate_up_bias = (self.create_parameter([2 * config.intermediate_size], is_bias=True)
+        self.gate_up_weight = self.create_parameter([2 * self.intermediate, config.hidden_size])  # [out, in]
+        self.down_weight = self.create_parameter([config.hidden_size, self.intermediate])
+        self.gate_up_bias = (self.create_parameter([2 * self.intermediate], is_bias=True)
                              if config.mlp_bias else None)
         self.down_bias = self.create_parameter([config.hidden_size], is_bias=True) if config.mlp_bias else None
 
@@ -315,4 +331,7 @@ class MLP(nn.Layer):
         else:
             gate, up = paddle.split(gate_up, 2, axis=-1)
             hidden = self.act(gate) * up
-        return linear(hidden, self.down_weight, self.down_bias)
+        if self.shard is None:
+            return linear(hidden, self.down_weight, self.down_bias)
+        out = self.shard.all_reduce(linear(hidden, self.down_weight))  # row-parallel
+        return out if self.down_bias is None else out + self.down_bias

@@ -23,6 +23,7 @@ import paddle
 from safetensors import safe_open
 
 from ..config import ModelConfig, UnsupportedCheckpointError
+from ..distributed.shard import TensorShard
 from .decoder import DecoderForCausalLM
 from .layers import rope_inverse_frequencies
 
@@ -113,6 +114,25 @@ class _Checkpoint:
                     out[name] = f.get_tensor(name)
         return out
 
+    def read_part(self, name: str, axis: int, start: int, end: int) -> paddle.Tensor:
+        """Rows (`axis=0`) or columns (`axis=1`) `[start, end)` of one tensor, reading only those
+        bytes of the file (a tensor-parallel rank's shard).
+
+        Through numpy: safetensors' paddle slices crashed Paddle when a column slice was freed
+        ("The deleter of the pointer is not found"), and numpy has no bfloat16, so bfloat16 is read
+        as its raw 16-bit words and reinterpreted.
+        """
+        index = (slice(start, end),) if axis == 0 else (slice(None), slice(start, end))
+        path = self.where[name]
+        if self.dtypes[name] != "BF16":
+            with safe_open(path, framework="np") as f:
+                return paddle.to_tensor(np.ascontiguousarray(f.get_slice(name)[index]))
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            begin = json.loads(f.read(header_len))[name]["data_offsets"][0]
+        words = np.memmap(path, dtype=np.uint16, mode="r", offset=8 + header_len + begin, shape=self.shapes[name])
+        return paddle.to_tensor(np.ascontiguousarray(words[index])).view(paddle.bfloat16)
+
 
 def _listing(names, describe=repr) -> str:
     names = sorted(names)
@@ -176,27 +196,53 @@ def _rope_buffer_matches(config: ModelConfig, ckpt: _Checkpoint, name: str) -> b
     return stored.shape == ours.shape and bool(np.allclose(stored, ours, rtol=1e-2, atol=0))
 
 
-def load_model(config: ModelConfig, max_positions: int | None = None) -> DecoderForCausalLM:
+def sharded_axes(config: ModelConfig) -> dict[str, int]:
+    """The tensors tensor parallelism splits, by Hugging Face name, and the axis of their `[out, in]`
+    layout it splits: rows of the column-parallel q/k/v and gate/up projections (and their biases)
+    and of the vocabulary-parallel embedding and LM head; columns of the row-parallel o_proj and
+    down_proj. Every other tensor (norms, o/down biases) is replicated."""
+    axes = {_EMBED: 0} if config.tie_word_embeddings else {_EMBED: 0, _HEAD: 0}
+    for i in range(config.num_hidden_layers):
+        attn, mlp = _ATTN.format(i=i), _MLP.format(i=i)
+        axes.update({attn + f"{x}_proj.weight": 0 for x in "qkv"})
+        axes.update({mlp + "gate_proj.weight": 0, mlp + "up_proj.weight": 0})
+        axes.update({attn + "o_proj.weight": 1, mlp + "down_proj.weight": 1})
+        if config.attention_bias:
+            axes.update({attn + f"{x}_proj.bias": 0 for x in "qkv"})
+        if config.mlp_bias:
+            axes.update({mlp + "gate_proj.bias": 0, mlp + "up_proj.bias": 0})
+    return axes
+
+
+def load_model(config: ModelConfig, max_positions: int | None = None,
+               shard: TensorShard | None = None) -> DecoderForCausalLM:
     """Build the decoder in `config.dtype` on the current Paddle device and load its weights.
 
     The checkpoint must hold exactly the tensors `expected_tensors(config)` lists, in their shapes
     (besides what transformers also accepts: a duplicate `lm_head.weight` of a tied embedding and
     RoPE frequency buffers that agree with the config); anything else is an
-    `UnsupportedCheckpointError` naming the tensors.
+    `UnsupportedCheckpointError` naming the tensors. With a `shard` (one tensor-parallel rank) the
+    same whole-checkpoint check runs, then only the rank's rows or columns of the split tensors
+    (`sharded_axes`) are read from the files.
     """
     ckpt = _Checkpoint(config.model)
     config, aliases = _tie_head(config, ckpt)
     _check(config, ckpt, aliases)
     paddle.set_default_dtype(config.dtype)
     try:
-        model = DecoderForCausalLM(config, max_positions)
+        model = DecoderForCausalLM(config, max_positions, shard)
     finally:
         paddle.set_default_dtype("float32")
     model.eval()
-    raw = ckpt.read({aliases.get(n, n) for n in expected_tensors(config)})
+    split = {} if shard is None else sharded_axes(config)
+    raw = ckpt.read({aliases.get(n, n) for n in expected_tensors(config) if n not in split})
 
     def take(name: str) -> paddle.Tensor:
-        return raw[aliases.get(name, name)].astype(config.dtype)
+        stored = aliases.get(name, name)
+        if name in split:
+            axis = split[name]
+            return ckpt.read_part(stored, axis, *shard.part(ckpt.shapes[stored][axis])).astype(config.dtype)
+        return raw[stored].astype(config.dtype)
 
     state = {"embed_tokens.weight": take(_EMBED), "norm.weight": take("model.norm.weight")}
     for i in range(config.num_hidden_layers):
@@ -232,6 +278,8 @@ def load_model(config: ModelConfig, max_positions: int | None = None) -> Decoder
 
 def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names and layouts, as float32 numpy arrays."""
+    if model.shard is not None:
+        raise ValueError("model: a tensor-parallel shard holds part of the weights; save an unsharded model")
     cfg = model.config
     state = {k: v.astype("float32").numpy() for k, v in model.state_dict().items()}
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}

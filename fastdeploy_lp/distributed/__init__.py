@@ -1,0 +1,13 @@
+"""Tensor parallelism on Paddle's distributed stack (docs/distributed.md).
+
+`TensorShard` is the slice of the model one rank holds and the collectives that join the slices;
+`check_tensor_parallel` refuses, before any weight loads, a size the model or the machine cannot
+run. The runner that starts the ranks (`runner.TensorParallelRunner`) and the rank's own loop
+(`worker.run_worker`) are imported where they are used: they depend on the engine's runner, which
+depends on the model, which depends on this package.
+"""
+
+from .checks import check_tensor_parallel
+from .shard import TensorShard
+
+__all__ = ["TensorShard", "check_tensor_parallel"]

@@ -1,0 +1,68 @@
+"""Start-up checks for `tensor_parallel_size`, run by `FDConfig.create` before any weight loads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_tensor_parallel(model_config: "ModelConfig", device: str, size) -> None:
+    """Refuse, with a `ValueError` naming `tensor_parallel_size`, a size the model cannot be split
+    into (heads, KV heads, MLP columns and vocabulary must divide evenly), or that this machine or
+    Paddle build cannot run: more ranks than GPUs, no NCCL (GPU) or gloo (CPU) in the build, a
+    platform without Paddle's process groups. On CPU, more ranks than cores is allowed (the ranks
+    share the cores: slower, same results) with a warning."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size: must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    counts = {"num_attention_heads": model_config.num_attention_heads,
+              "num_key_value_heads": model_config.num_key_value_heads,
+              "vocab_size": model_config.vocab_size,
+              "intermediate_size": model_config.intermediate_size}
+    uneven = [f"{name}={value}" for name, value in counts.items() if value % size]
+    if uneven:
+        fits = [n for n in range(2, size * 2 + 1) if all(v % n == 0 for v in counts.values())]
+        hint = f" (sizes that fit: {', '.join(map(str, fits[:6]))})" if fits else ""
+        raise ValueError(f"tensor_parallel_size: {size} does not divide the model's {', '.join(uneven)}; every "
+                         f"rank must get an equal share of the heads, KV heads, MLP columns and vocabulary{hint}")
+    if not sys.platform.startswith("linux"):
+        raise ValueError(f"tensor_parallel_size: {size} needs Linux (Paddle's gloo/NCCL process groups); "
+                         f"this is {sys.platform}")
+
+    import paddle
+    from paddle.base import core
+
+    if not paddle.is_compiled_with_distribute():
+        raise ValueError(f"tensor_parallel_size: {size} needs a PaddlePaddle build with distributed support "
+                         f"(paddle.distributed); this one has none")
+    kind = device.split(":")[0]
+    if kind == "gpu":
+        if not core.is_compiled_with_cuda():
+            raise ValueError(f"tensor_parallel_size: {size} on device {device!r} needs the CUDA build of "
+                             f"PaddlePaddle (paddlepaddle-gpu); this one is CPU-only (use device='cpu' for gloo)")
+        if not core.is_compiled_with_nccl():
+            raise ValueError(f"tensor_parallel_size: {size} on GPUs needs NCCL, which this PaddlePaddle build "
+                             f"was not compiled with")
+        first = int(device.split(":")[1]) if ":" in device else 0
+        count = paddle.device.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"tensor_parallel_size: {size} ranks starting at {device!r} need GPUs {first}.."
+                             f"{first + size - 1}, but {count} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
+    elif kind == "cpu":
+        if not hasattr(core, "ProcessGroupGloo"):
+            raise ValueError(f"tensor_parallel_size: {size} on CPU needs gloo, which this PaddlePaddle build "
+                             f"was not compiled with")
+        cores = len(os.sched_getaffinity(0))
+        if size > cores:
+            logger.warning("tensor_parallel_size=%d on %d CPU core(s): the ranks share cores, so this is slower "
+                           "than tensor_parallel_size=1 (results are the same)", size, cores)
+    else:
+        raise ValueError(f"tensor_parallel_size: {size} runs on 'cpu' (gloo) or 'gpu' (NCCL), not on {device!r}")

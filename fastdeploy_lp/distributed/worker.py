@@ -1,0 +1,140 @@
+"""One tensor-parallel rank: started by `paddle.distributed.spawn`, it joins Paddle's process group,
+loads its shard of the model and KV cache, and runs the forward passes the driver sends.
+
+The conversation with the driver (`runner.TensorParallelRunner`) over this rank's pipe:
+
+    rank -> driver   ("ready", num_blocks)                 or ("error", exception, traceback text)
+    driver -> rank   ("forward", feeds, fresh_blocks)
+    rank -> driver   ("ok", rows) on rank 0, the logits written to the shared buffer `logits_buffer`
+                     (`[max_num_seqs, vocab]` float32), or ("ok", logits) as a numpy array if they
+                     do not fit; ("ok", None) on the other ranks;
+                     or ("error", exception, traceback text) -- the rank keeps serving
+    driver -> rank   ("stop",)   or the pipe closes (the driver is gone): the rank exits
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from ..config import CacheConfig, FDConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """What a rank needs to build its runner: the parts of `FDConfig` that shape the model and
+    its cache (the engine's processors, tokenizer and tools stay in the driver)."""
+
+    model_config: ModelConfig
+    max_num_seqs: int
+    max_model_len: int
+    device: str
+    cpu_threads: int | None
+    cache_config: CacheConfig
+    tensor_parallel_size: int
+    logits_buffer: str  # name of the driver's shared memory block for rank 0's logits
+    log_level: int = logging.WARNING
+
+    def fd_config(self, device: str) -> FDConfig:
+        return FDConfig(model_config=self.model_config, max_num_seqs=self.max_num_seqs,
+                        max_model_len=self.max_model_len, device=device, cpu_threads=self.cpu_threads,
+                        cache_config=self.cache_config, tensor_parallel_size=self.tensor_parallel_size)
+
+
+def _error(e: BaseException) -> tuple:
+    """An error message the driver can re-raise: the exception itself if it pickles."""
+    text = traceback.format_exc()
+    try:
+        pickle.dumps(e)
+    except Exception:
+        e = RuntimeError(f"{type(e).__name__}: {e}")
+    return ("error", e, text)
+
+
+def run_worker(spec: WorkerSpec, conns: list[Connection]) -> None:
+    """The rank's whole life; `paddle.distributed.spawn` has set the env vars
+    `init_parallel_env()` reads (PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, endpoints, and
+    FLAGS_selected_gpus on GPU)."""
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    conn = conns[rank]
+    for i, other in enumerate(conns):  # so that a rank's death closes its pipe at the driver's end
+        if i != rank:
+            other.close()
+    # Ctrl-C in a terminal reaches the whole process group: the driver decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, force=True,  # replaces the root handler `import paddle` adds
+                        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s")
+    try:
+        runner = _start(spec, rank)
+        conn.send(("ready", runner.num_blocks))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        logger.debug("rank %d failed to start", rank, exc_info=True)
+        try:
+            conn.send(_error(e))
+        except OSError:  # the driver is gone
+            pass
+        return
+    if rank != 0:
+        _serve(runner, conn, None)
+        return
+    shm = SharedMemory(name=spec.logits_buffer)  # mapped until the process exits; the driver unlinks it
+    _serve(runner, conn, np.ndarray((spec.max_num_seqs, spec.model_config.vocab_size), dtype=np.float32,
+                                    buffer=shm.buf))
+
+
+def _start(spec: WorkerSpec, rank: int):
+    import paddle.distributed as dist
+
+    from ..engine.runner import ModelRunner
+    from .shard import TensorShard
+
+    device = spec.device
+    if device.startswith("gpu"):
+        device = f"gpu:{dist.ParallelEnv().device_id}"  # this rank's GPU (spawn's FLAGS_selected_gpus)
+    fd_config = spec.fd_config(device)
+    if device.startswith("cpu") and fd_config.cpu_threads is None:  # the ranks share the cores
+        fd_config.cpu_threads = max(1, len(os.sched_getaffinity(0)) // spec.tensor_parallel_size)
+    import paddle
+
+    paddle.set_device(device)
+    dist.init_parallel_env()
+    return ModelRunner(fd_config, shard=TensorShard(rank, spec.tensor_parallel_size))
+
+
+def _serve(runner, conn: Connection, out: np.ndarray | None) -> None:
+    """Run passes until told to stop; `out` (rank 0 only) is where the logits go."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if message[0] == "stop":
+            return
+        _, feeds, fresh = message
+        try:
+            logits = runner.forward(feeds, fresh)
+            if out is None:
+                reply = ("ok", None)
+            elif logits.shape[0] <= out.shape[0]:
+                rows = logits.shape[0]
+                out[:rows] = logits.numpy()
+                reply = ("ok", rows)
+            else:
+                reply = ("ok", logits.numpy())
+        except Exception as e:  # the driver decides whether the group can go on
+            logger.debug("forward pass failed", exc_info=True)  # the driver logs it
+            reply = _error(e)
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
