@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+from paddle.incubate.nn.functional import fused_rms_norm
 
 from ..config import ModelConfig
 from ..distributed.shard import TensorShard
@@ -43,6 +44,10 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if x.dtype == paddle.float32 and not paddle.is_grad_enabled():
+            # One kernel instead of six: 6.5x faster on CPU for a [4096, 896] prefill, same values
+            # within 4e-6. Inference only (training needs its gradient).
+            return fused_rms_norm(x, self.weight, None, self.eps, x.ndim - 1)[0]
         # Normalise in float32 like the reference implementation, then cast back. x * x, not
         # pow(2): Paddle's generic pow kernel was 6x slower on CPU, and a cast to the same dtype
         # is still a copy.
@@ -82,19 +87,19 @@ class RotaryEmbedding(nn.Layer):
         freqs = paddle.outer(t, inv_freq)
         emb = paddle.concat([freqs, freqs], axis=-1)
         self.register_buffer("cos", emb.cos(), persistable=False)
-        self.register_buffer("sin", emb.sin(), persistable=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table.
+        self.register_buffer("sin", paddle.concat([-freqs.sin(), freqs.sin()], axis=-1), persistable=False)
 
     def tables(self, positions: paddle.Tensor, dtype) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos/sin of shape [tokens, 1, head_dim] for a flat list of positions."""
+        """cos and signed sin (see __init__) of shape [tokens, 1, head_dim] for a flat list of positions."""
         cos = paddle.index_select(self.cos, positions).unsqueeze(1).astype(dtype)
         sin = paddle.index_select(self.sin, positions).unsqueeze(1).astype(dtype)
         return cos, sin
 
 
-def apply_rotary(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
-    half = x.shape[-1] // 2
-    rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: paddle.Tensor, cos: paddle.Tensor, signed_sin: paddle.Tensor) -> paddle.Tensor:
+    """x * cos + rotate_half(x) * sin, in four ops rather than seven (`RotaryEmbedding.tables`)."""
+    return x * cos + paddle.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin
 
 
 _SCORES_LIMIT = 1 << 24  # elements (64 MB of float32) of one attention score tensor
