@@ -200,9 +200,10 @@ class CausalTrainer:
         cfg = model.config
         self.eps = cfg.rms_norm_eps
         d = cfg.head_dim
-        rotate = np.zeros([d, d], "float32")  # x @ rotate == concat(-x[half:], x[:half])
+        # x @ rotate == roll(x, half): the rotary tables' sin carries rotate_half's sign.
+        rotate = np.zeros([d, d], "float32")
         for i in range(d // 2):
-            rotate[i + d // 2, i] = -1.0
+            rotate[i + d // 2, i] = 1.0
             rotate[i, i + d // 2] = 1.0
         self.rotate = paddle.to_tensor(rotate)
         self._tables: dict[int, tuple] = {}
