@@ -98,14 +98,16 @@ def test_preemption_keeps_greedy_and_seeded_outputs():
     _assert_no_block_held(tight)
 
 
-def test_guided_decoding_and_penalties_survive_preemption():
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_guided_decoding_and_penalties_survive_preemption(fast_forward):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
     params = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=40, repetition_penalty=1.3,
                              guided_decoding=GuidedDecodingParams(json=schema)) for i in range(4)]
     prompts = ["Give me a person as JSON:"] * 4
-    roomy = LLM(max_num_seqs=4, device="cpu", block_size=4)
-    tight = LLM(max_num_seqs=4, device="cpu", block_size=4, num_blocks=30)
+    roomy = LLM(max_num_seqs=4, device="cpu", block_size=4, fast_forward=fast_forward)
+    tight = LLM(max_num_seqs=4, device="cpu", block_size=4, num_blocks=16 if fast_forward else 20,
+                fast_forward=fast_forward)
     expected = [o.outputs.text for o in roomy.generate(prompts, params, use_tqdm=False)]
     assert [o.outputs.text for o in tight.generate(prompts, params, use_tqdm=False)] == expected
     assert tight.engine.scheduler.num_preemptions > 0
@@ -222,3 +224,28 @@ def test_prompts_that_fill_the_pool_between_them_do_not_wait_for_each_other():
     assert [o.outputs.token_ids for o in outs] == [a.outputs.token_ids for a in alone]
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_no_block_held(llm)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+@pytest.mark.parametrize("regex", ["<function>multiply[(]3, 302[)]</function>(<results>[0-9]+</results>)?",
+                                   "<function>multiply[(]3, 30[0-9][)]</function>(<results>[0-9]+</results>)?"])
+def test_forced_tokens_and_tool_calls_survive_preemption(fast_forward, regex):
+    """Tool results and grammar-forced tokens still queued (fast-forward off), or a call closed or
+    open across a preemption, come out as without preemption."""
+    call = GuidedDecodingParams(regex=regex)
+    params = SamplingParams(temperature=0, max_tokens=40, guided_decoding=call,
+                            logits_processors_args={"tool_execution": True})
+    prompts = ["What is 3 times 302?", "What is 3 times 302? Tell me.", "Compute 3 times 302 please", "3*302=?"]
+
+    def run(**options):
+        llm = LLM(logits_processors=["ToolExecutionLogitsProcessor"], tool_functions={"multiply": lambda a, b: a * b},
+                  max_num_seqs=4, device="cpu", block_size=4, fast_forward=fast_forward, **options)
+        outs = [(o.outputs.text, o.outputs.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, llm
+
+    expected, _ = run()
+    assert all(reason == "stop" and "</function><results>" in text for text, reason in expected)
+    got, tight = run(num_blocks=20)
+    assert got == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    _assert_no_block_held(tight)

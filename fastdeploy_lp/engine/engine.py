@@ -225,20 +225,21 @@ class LLMEngine:
         Returns True if any were appended: processors then see them (a tool call the forced text
         completes, a request it finished) before the next token is sampled.
         """
+        if not self.fd_config.fast_forward:
+            return False  # the queue stays in forced_tokens[slot], where processors see it: one per step
         forced = self.scheduler.share_inputs["forced_tokens"]
         appended = False
         for request in self.scheduler.running:
-            if forced[request.slot]:
-                request.pending_forced.extend(forced[request.slot])
-                forced[request.slot] = []
-            if not (self.fd_config.fast_forward and request.pending_forced):
+            queue = forced[request.slot]
+            if not queue:
                 continue
+            forced[request.slot] = []
             now = time.monotonic()
-            while request.pending_forced and not request.finished:
+            for token in queue:
+                if request.finished:
+                    break
                 request.rng.random()  # keep the seeded stream where one sampled step per token leaves it
-                token = request.pending_forced.popleft()
                 self._append(request, token, forced_logprob(request, token), now, finished)
-            request.pending_forced.clear()
             appended = True
         return appended
 
@@ -270,8 +271,9 @@ class LLMEngine:
             if row in result.failures:
                 self._finish(request, FinishReason.ERROR, finished, result.failures[row])
                 continue
-            if request.pending_forced:  # fast-forward off: a forced token takes this step's place
-                token = request.pending_forced.popleft()
+            queue = self.scheduler.share_inputs["forced_tokens"][request.slot]
+            if queue:  # fast-forward off: a forced token takes this step's place
+                token = queue.pop(0)
                 self._append(request, token, forced_logprob(request, token), now, finished)
             else:
                 self._append(request, int(result.tokens[row]), result.logprobs[row], now, finished)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -127,7 +126,7 @@ class Request:
     admission: int = 0                  # admission order (the most recent is preempted first)
     active: bool = False                # in share_inputs: prompt computed, generating
     resumed: bool = False               # preempted at least once
-    pending_forced: deque = field(default_factory=deque)  # tokens processors declared certain
+    forced_queue: list[int] = field(default_factory=list)  # forced tokens still queued when preempted
     _reported_tokens: int = 0
 
     @property

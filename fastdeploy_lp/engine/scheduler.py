@@ -193,6 +193,8 @@ class SlotScheduler:
         return preempted
 
     def preempt(self, request: Request) -> None:
+        # Forced tokens still queued (fast-forward off) come back with the request when it rejoins.
+        request.forced_queue = self.share_inputs["forced_tokens"][request.slot] if request.active else []
         self.free(request)
         request.cached_len = 0
         request.resumed = True
@@ -228,7 +230,7 @@ class SlotScheduler:
         s["next_tokens"][slot] = request.output_ids[-1] if request.output_ids else -1
         s["sampling_params"][slot] = p
         s["admission_ids"][slot] = request.admission
-        s["forced_tokens"][slot] = []
+        s["forced_tokens"][slot], request.forced_queue = request.forced_queue, []
         for name in _SAMPLING_FIELDS:
             s[name][slot] = getattr(p, name)
 
@@ -252,3 +254,4 @@ class SlotScheduler:
         s["logits_processors_args"][slot] = LogitsProcessorArgs()
         s["sampling_params"][slot] = None
         s["output_ids"][slot] = []
+        s["forced_tokens"][slot] = []

@@ -31,6 +31,7 @@ from ..base import LogitsProcessor, ShareInputs
 from ..batch_state import BatchTracker
 
 logger = logging.getLogger(__name__)
+_RESULTS_START, _RESULTS_END = "<results>", "</results>"
 
 
 class ToolExecutionArgs(BaseModel):
@@ -136,13 +137,33 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
             if request.args.tool_execution:  # the args hold only the keys the request set; add defaults
                 settings = ToolExecutionArgs.model_validate(
                     {k: v for k, v in request.args.items() if k in ToolExecutionArgs.model_fields and v is not None})
-                # Output it brought along (a request resuming after preemption) was searched before.
-                self._calls[request.slot] = _SlotCalls(settings, len(share_inputs["output_ids"][request.slot]))
+                output = share_inputs["output_ids"][request.slot]
+                self._calls[request.slot] = _SlotCalls(settings, self._answered(output))
         for slot, calls in self._calls.items():
             self._search(calls, share_inputs["output_ids"][slot], share_inputs["forced_tokens"][slot])
 
+    def _answered(self, output: list[int]) -> int:
+        """Where the search starts for output a request brings along (it resumes after preemption):
+        just past its last `</results>`. A call closed later, or open across the preemption, is
+        found again; its result, if it was still queued, was dropped with the queue."""
+        if not output:
+            return 0
+        answered = self.tokenizer.decode(output).count(_RESULTS_END)
+        if not answered:
+            return 0
+        low, high = 1, len(output)  # the shortest prefix holding every `</results>`
+        while low < high:
+            mid = (low + high) // 2
+            if self.tokenizer.decode(output[:mid]).count(_RESULTS_END) >= answered:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     def _search(self, calls: _SlotCalls, output: list[int], forced: list[int]) -> None:
         """Run the call the new output closes, if any, and force its result."""
+        if forced:  # tokens queued ahead of the output (fast-forward off): search once they are in it
+            return
         settings = calls.settings
         text = self.tokenizer.decode(output[calls.scanned:])
         end = text.find(settings.tool_call_end)
@@ -152,8 +173,11 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
         if opened < 0:  # a stray end marker: not a call, look past it next time
             calls.scanned = len(output)
             return
+        if _RESULTS_START in text[end:]:  # answered before the request was preempted
+            calls.scanned = self._answered(output)
+            return
         call = text[opened + len(settings.tool_call_start):end]
-        result = self.tokenizer.encode(f"<results>{self._run(call, settings.tool_timeout)}</results>")
+        result = self.tokenizer.encode(f"{_RESULTS_START}{self._run(call, settings.tool_timeout)}{_RESULTS_END}")
         forced.extend(result)
         calls.scanned = len(output) + len(result)
 

@@ -151,7 +151,7 @@ class _SlotMatcher:
             if self.gate.state == ReasoningState.REASONING:
                 forced.extend(self.gate.take_forced_start())
             return None
-        if self.ahead or self.matcher.is_stopped():
+        if self.ahead or forced or self.matcher.is_stopped():  # tokens queued ahead of the output: wait
             return None
         tokens = self.matcher.compute_ff_tokens()
         if tokens:
