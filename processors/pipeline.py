@@ -234,10 +234,13 @@ class _Stage:
 
     def _record_failure(self, i, error, rows, failures):
         name = self.names[i]
-        if isinstance(error, RequestFailures):  # the processor named the requests that failed
+        active = {slot for slot, _, _ in rows}
+        if isinstance(error, RequestFailures) and set(error.failures) <= active:  # it named the requests
             for slot, message in error.failures.items():
                 failures.setdefault(slot, f"logits processor {name}: {message}")
             return
+        # Anything else, a RequestFailures naming a slot with no request in it included, is the
+        # processor's own failure: the requests that enabled it fail.
         timing = self.timings[name]
         timing.failures += 1
         if timing.failures == 1:  # one traceback; a processor failing every step would flood the log

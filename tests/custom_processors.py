@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.openai.logits_processor import LogitsProcessor
-from fastdeploy_lp.processors import AddedRequest, BatchTracker, BatchUpdate, ShareInputs
+from fastdeploy_lp.processors import AddedRequest, BatchTracker, BatchUpdate, RequestFailures, ShareInputs
 from fastdeploy_lp.processors.builtin.allowed_token_ids import AllowedTokenIdsLogitsProcessor
 from fastdeploy_lp.processors.builtin.bad_words import BadWordsLogitsProcessor
 from fastdeploy_lp.processors.builtin.logit_bias import LogitBiasLogitsProcessor
@@ -158,6 +158,7 @@ class HostileArgs(BaseModel):
     write: Literal["nan", "-inf"] | None = None
     exit_in: Literal["update_state", "apply"] | None = None
     sleep_s: float | None = None
+    blame_empty_slot: bool | None = None
 
 
 class HostileLogitsProcessor(LogitsProcessor):
@@ -174,6 +175,8 @@ class HostileLogitsProcessor(LogitsProcessor):
         self._active = [a for a, f in zip(share_inputs["logits_processors_args"], share_inputs["stop_flags"]) if not f]
         if any(a.exit_in == "update_state" for a in self._active):
             raise SystemExit(3)
+        if any(a.blame_empty_slot for a in self._active):  # a slot no request is in
+            raise RequestFailures({len(share_inputs["stop_flags"]): "not a request"})
 
     def apply(self, logits):
         if any(a.exit_in == "apply" for a in self._active):

@@ -68,6 +68,13 @@ def test_a_processor_raising_system_exit_fails_only_its_requests(llm, where):
     assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in reference]
 
 
+def test_a_processor_blaming_a_slot_without_a_request_fails_only_its_own(llm):
+    reference = run(llm, PROMPTS[1:], greedy())
+    outs = run(llm, PROMPTS, [greedy(blame_empty_slot=True), greedy(), greedy()])
+    assert outs[0].finish_reason == "error" and "HostileLogitsProcessor" in outs[0].error
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in reference]
+
+
 @pytest.mark.parametrize("write", ["nan", "-inf"])
 def test_nan_or_all_minus_inf_rows_fail_only_their_request(llm, write):
     reference = run(llm, PROMPTS[1:], greedy())
