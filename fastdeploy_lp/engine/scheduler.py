@@ -106,10 +106,6 @@ class SlotScheduler:
         while self.waiting and (budget is None or budget > 0) and None in self.slots:
             request = self.waiting[0]
             chunk = self._admit(request, budget, first=not chunks)
-            if isinstance(chunk, Exception):
-                self.waiting.popleft()
-                rejected.append((request, chunk))
-                continue
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -143,11 +139,10 @@ class SlotScheduler:
             self.preempt(victim)
         return Chunk(request, start, request.tokens(start, start + size))
 
-    def _admit(self, request: Request, budget: int | None, first: bool) -> Chunk | Exception | None:
-        """Give `request` a slot, its cached prefix and blocks for a first chunk; None to wait."""
+    def _admit(self, request: Request, budget: int | None, first: bool) -> Chunk | None:
+        """Give `request` a slot, its cached prefix and blocks for a first chunk; None to wait.
+        (Every request fits the pool alone: `LLMEngine._check` refuses the others.)"""
         total = request.total_len
-        if self.pool.blocks_for(total) > self.pool.num_blocks - 1:
-            return ValueError(f"the request needs {total} tokens of KV cache; it holds {self.pool.capacity_tokens}")
         hashes = request.block_hashes
         if not hashes and self.pool.enable_prefix_caching:
             hashes = block_hashes(request.tokens(0, total), self.pool.block_size)
