@@ -14,7 +14,7 @@ from conftest import FIXTURE_MODELS, fixture_dir, load_reference
 from safetensors.numpy import load_file, save_file
 
 from fastdeploy_lp import LLM, FDConfig, ModelConfig, SamplingParams
-from fastdeploy_lp.model import AttentionBatch, load_model
+from fastdeploy_lp.model import AttentionBatch, cpu_kernels, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # llama-bias: `attention_bias` (q/k/v *and* o_proj biases) and `mlp_bias` (gate/up/down biases).
@@ -35,9 +35,13 @@ def test_logits_match_transformers_at_every_position(name):
         np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", ["cpu_kernels", "paddle"])
 @pytest.mark.parametrize("name", MODELS)
-def test_cached_decode_logits_match_transformers(name):
-    """Prefill half the prompt into scattered cache blocks, then feed the rest one token per pass."""
+def test_cached_decode_logits_match_transformers(name, kernels, monkeypatch):
+    """Prefill half the prompt into scattered cache blocks, then feed the rest one token per pass
+    (with the C decode kernels where they build, and with Paddle's, which other devices use)."""
+    if kernels == "paddle":
+        monkeypatch.setattr(cpu_kernels, "_loaded", None)
     model = _model(fixture_dir(name))
     inputs, ref = load_reference(name)
     ids = inputs[0]

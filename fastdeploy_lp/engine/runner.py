@@ -16,7 +16,7 @@ import paddle
 
 from ..config import FDConfig
 from ..distributed.shard import TensorShard
-from ..model import AttentionBatch, load_model
+from ..model import AttentionBatch, cpu_kernels, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def use_device(fd_config: FDConfig) -> None:
         tune_cpu_math()
         # Paddle pins CPU math to one thread (it sets OMP_NUM_THREADS=1 on import), while decode GEMVs
         # run ~2x faster on two cores.
-        paddle.base.core.set_num_threads(fd_config.cpu_threads or len(os.sched_getaffinity(0)))
+        threads = fd_config.cpu_threads or len(os.sched_getaffinity(0))
+        paddle.base.core.set_num_threads(threads)
+        cpu_kernels.set_threads(threads)
 
 
 MKL_CPU_TYPE = "MKL_DEBUG_CPU_TYPE"

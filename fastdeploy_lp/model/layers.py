@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import paddle
@@ -17,19 +18,33 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from ..config import ModelConfig
 from ..distributed.shard import TensorShard
+from . import cpu_kernels
 from .activations import activation
 
 
 _FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
+KERNEL_ROWS = 12  # up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
+
+
+def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
+    """The CPU decode kernels when `x` is a float32 CPU tensor and they are available, else None."""
+    if x.dtype != paddle.float32 or not x.place.is_cpu_place():
+        return None
+    return cpu_kernels.load()
 
 
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """`x @ weight^T + bias` for a weight in Hugging Face's `[out, in]` layout.
 
-    With a few rows (decode) Paddle's CPU GEMM ran 1.4-1.6x faster as `(weight @ x^T)^T` than as
-    `x @ weight^T` on this model's shapes (bench: 32 rows, 285-320 vs 186-214 GFLOP/s); with many
-    rows (prefill) both are alike, and other devices get the plain product.
+    On CPU, a few rows (decode) go to `cpu_kernels.linear`, which reads the weight once at GEMV
+    speed (bench: 8 rows 99 vs 146 ms over the model's weights). Without it, Paddle's GEMM ran
+    1.4-1.6x faster as `(weight @ x^T)^T` than as `x @ weight^T` for up to 64 rows (32 rows:
+    285-320 vs 186-214 GFLOP/s); with many rows (prefill) both are alike, and other devices get
+    the plain product.
     """
+    kernels = kernels_for(x) if x.shape[0] <= KERNEL_ROWS else None
+    if kernels is not None:
+        return kernels.linear(x, weight, bias)
     if x.shape[0] <= _FEW_ROWS and x.place.is_cpu_place():
         out = paddle.matmul(weight, x, transpose_y=True).T
     else:
@@ -125,15 +140,23 @@ class SequenceGroup:
     per_kv: int  # query heads per KV head
 
     def __post_init__(self):
-        # Shared by every layer, so built once per forward pass.
         self.end = self.start + self.new * len(self.lens)
+
+    # Both are shared by every layer, so built once per forward pass, and only by the path that reads them.
+    @cached_property
+    def chunks(self) -> list["QueryChunk"]:
         lens = np.asarray(self.lens, dtype=np.int64)
         seqs, hkv = len(self.lens), self.kv_heads
         per_row = seqs * hkv * self.per_kv * (int(lens.max()) + self.block_size)
         step = max(1, min(self.new, _SCORES_LIMIT // per_row))
         if _CAUSAL_CHUNK and self.new > 2 * _CAUSAL_CHUNK:
             step = min(step, _CAUSAL_CHUNK)
-        self.chunks = [self._chunk(lens, a, min(a + step, self.new)) for a in range(0, self.new, step)]
+        return [self._chunk(lens, a, min(a + step, self.new)) for a in range(0, self.new, step)]
+
+    @cached_property
+    def kernel_inputs(self) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Block tables and lengths as tensors, for `cpu_kernels.paged_decode_attention`."""
+        return paddle.to_tensor(self.tables), paddle.to_tensor(np.asarray(self.lens, dtype=np.int64))
 
     def _chunk(self, lens: np.ndarray, a: int, b: int) -> "QueryChunk":
         """Queries `[a, b)` of each sequence: which cache rows they read, and their mask."""
@@ -266,7 +289,9 @@ class Attention(nn.Layer):
                                                                   cache.dtype), overwrite=True)
             k_cache.scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
             v_cache.scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
-            out = paddle.concat([self._cached(q[g.start:g.end], g, k_cache, v_cache) for g in batch.groups])
+            kernels = kernels_for(q)
+            outs = [self._cached(q[g.start:g.end], g, k_cache, v_cache, kernels) for g in batch.groups]
+            out = outs[0] if len(outs) == 1 else paddle.concat(outs)
         if self.shard is None:
             return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
         out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight))  # row-parallel
@@ -282,12 +307,17 @@ class Attention(nn.Layer):
         group = self.num_heads // self.num_kv_heads
         return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
 
-    def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
+    def _cached(self, q, group: SequenceGroup, k_cache, v_cache, kernels: cpu_kernels.CpuKernels | None = None):
         """Attention of new tokens over their sequences' cached keys (prefill chunks or batched decode).
 
-        Heads sharing a KV head are folded into the query-length axis, so each product is one
-        batched matmul over [sequences, kv heads] on keys gathered block by block.
+        One token per sequence with the CPU kernels: one call that reads the blocks in place.
+        Otherwise heads sharing a KV head are folded into the query-length axis, so each product is
+        one batched matmul over [sequences, kv heads] on keys gathered block by block.
         """
+        if kernels is not None and group.new == 1:
+            tables, lens = group.kernel_inputs
+            return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, max(group.lens),
+                                                  self.num_kv_heads, group.block_size, self.scale)
         seqs, new = len(group.lens), group.new
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Scale q, not the scores: they are span/dim times larger, and every pass over them counts.

@@ -1,0 +1,135 @@
+"""CPU kernels for the decode step, in C (`kernels.c`), built with the system compiler at first use.
+
+Why hand-written: on the bench model's shapes every CPU BLAS tried here (Paddle's MKL, PyTorch's,
+numpy's OpenBLAS) reads the weight at about half its GEMV speed once a product has 2 to 16 rows,
+so a batch-8 decode step spent ~145 ms in GEMMs whose weights a GEMV streams in ~73 ms.
+`linear` streams each weight row once for all rows of x. `paged_decode_attention` reads the KV
+blocks where they are instead of gathering them, in one call per layer instead of eight ops.
+
+The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
+`$XDG_CACHE_HOME/fastdeploy_lp` (default `~/.cache`) and linked against the OpenMP runtime next to
+Paddle (`libiomp5`), so its threads are MKL's threads; two runtimes spinning on two cores made a
+step several times slower. Without a C compiler, or with `FDLP_CPU_KERNELS=0`, `load()` returns
+None and the model uses Paddle's kernels. Numerics: float32 accumulation, only the summation
+order differs from MKL's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import paddle
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+SWITCH = "FDLP_CPU_KERNELS"  # "0" keeps Paddle's kernels
+_threads = 1
+_loaded: CpuKernels | None | bool = False  # False: not tried yet
+
+
+def set_threads(threads: int) -> None:
+    """Threads the kernels use; the runner sets it with Paddle's own CPU thread count."""
+    global _threads
+    _threads = max(1, int(threads))
+
+
+class CpuKernels:
+    """ctypes bindings of `kernels.c`, taking and returning float32 Paddle CPU tensors."""
+
+    def __init__(self, library: ctypes.CDLL):
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._linear = library.fdlp_linear
+        self._linear.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
+        self._attention = library.fdlp_paged_decode_attention
+        self._attention.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, c_int]
+        for fn in (self._linear, self._attention):
+            fn.restype = None
+
+    def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        """`x @ weight^T + bias` for x `[M, K]` and weight `[N, K]`: `[M, N]`."""
+        x = x if x.is_contiguous() else x.contiguous()
+        (rows, k), n = x.shape, weight.shape[0]
+        out = paddle.empty([rows, n], dtype=x.dtype)
+        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                     rows, n, k, _threads)
+        return out
+
+    def paged_decode_attention(self, q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
+                               tables: paddle.Tensor, lens: paddle.Tensor, max_len: int, kv_heads: int,
+                               block_size: int, scale: float) -> paddle.Tensor:
+        """One new token per sequence over its cached keys: q `[S, H, D]` rotated, scores times `scale`, caches
+        holding `[blocks, kv_heads, block_size, D]` (any view of that memory), tables `[S, width]` and
+        lens `[S]` int64 with every len <= max_len. Returns `[S, H, D]`."""
+        q = q if q.is_contiguous() else q.contiguous()
+        seqs, heads, dim = q.shape
+        out = paddle.empty_like(q)
+        scratch = paddle.empty([_threads, heads // kv_heads, max_len], dtype="float32")
+        self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                        out.data_ptr(), scratch.data_ptr(), seqs, heads, kv_heads, dim, block_size,
+                        tables.shape[1], max_len, scale, _threads)
+        return out
+
+
+def load() -> CpuKernels | None:
+    """The kernels, built on first call; None where they cannot be (logged once)."""
+    global _loaded
+    if _loaded is False:
+        _loaded = None
+        if os.environ.get(SWITCH, "1") == "0":
+            logger.info("CPU kernels: off (%s=0); Paddle's kernels", SWITCH)
+        else:
+            try:
+                _loaded = CpuKernels(ctypes.CDLL(str(_build())))
+                logger.info("CPU kernels: built-in decode linear and paged attention")
+            except (OSError, subprocess.SubprocessError) as e:
+                logger.warning("CPU kernels unavailable (%s); using Paddle's kernels", e)
+    return _loaded or None
+
+
+def _openmp_flags() -> list[str]:
+    """Link against Paddle's libiomp5 when it ships one, so MKL and these loops share threads."""
+    libs = Path(paddle.__file__).parent / "libs"
+    if (libs / "libiomp5.so").exists():
+        return ["-fopenmp", "-c"], ["-L", str(libs), "-liomp5", f"-Wl,-rpath,{libs}"]
+    return ["-fopenmp", "-c"], ["-fopenmp"]
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    compile_flags, link_flags = _openmp_flags()
+    flags = ["-O3", "-march=native", "-fPIC", "-std=gnu11"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_flags(), *flags, *link_flags])
+                         .encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdeploy_lp"
+    target = cache / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        for cmd in ([compiler, *flags, *compile_flags, str(SOURCE), "-o", str(obj)],
+                    [compiler, "-shared", str(obj), "-o", str(lib), *link_flags]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise OSError(f"{' '.join(cmd[:2])} failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, target)  # atomic: concurrent builders (test workers, TP ranks) agree on one file
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""

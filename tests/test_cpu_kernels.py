@@ -1,0 +1,109 @@
+"""The C decode kernels (`fastdeploy_lp.model.cpu_kernels`) against Paddle and numpy references,
+and the engine's fallback to Paddle's kernels when they are off or cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.model import cpu_kernels
+
+paddle.set_device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_kernels.load()
+    if loaded is None:
+        pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
+    return loaded
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("k", [64, 903])  # 903: a tail shorter than one vector
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_paddle(kernels, rows, k, with_bias):
+    rng = np.random.default_rng(rows * k)
+    x, w = (paddle.to_tensor(rng.standard_normal(s, dtype=np.float32)) for s in ((rows, k), (131, k)))
+    bias = paddle.to_tensor(rng.standard_normal(131, dtype=np.float32)) if with_bias else None
+    want = paddle.matmul(x, w, transpose_y=True) + (0 if bias is None else bias)
+    np.testing.assert_allclose(kernels.linear(x, w, bias).numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_reads_a_row_slice_where_it_starts(kernels):
+    x = paddle.randn([6, 32])
+    w = paddle.randn([20, 32])
+    np.testing.assert_allclose(kernels.linear(x[2:5], w).numpy(), (x[2:5] @ w.T).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def reference_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """numpy: gather each sequence's keys block by block, softmax(q k^T * scale) v per head."""
+    seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    out = np.zeros_like(q)
+    for s in range(seqs):
+        t = np.arange(lens[s])
+        keys = k_cache[tables[s][t // block_size], :, t % block_size]  # [len, kv_heads, dim]
+        values = v_cache[tables[s][t // block_size], :, t % block_size]
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = keys[:, g] @ q[s, h] * scale
+            p = np.exp(scores - scores.max())
+            out[s, h] = (p / p.sum()) @ values[:, g]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 4)])
+def test_paged_decode_attention_matches_a_gather_reference(kernels, heads, kv_heads):
+    rng = np.random.default_rng(heads)
+    block_size, dim, blocks = 4, 64, 12
+    k_cache, v_cache = (rng.standard_normal((blocks, kv_heads, block_size, dim), dtype=np.float32) for _ in "kv")
+    lens = np.array([1, 7, 13], dtype=np.int64)  # one key; a partial block; blocks out of order
+    tables = np.array([[9, 0, 0, 0], [3, 11, 0, 0], [5, 1, 8, 2]], dtype=np.int64)
+    q = rng.standard_normal((3, heads, dim), dtype=np.float32)
+    got = kernels.paged_decode_attention(paddle.to_tensor(q), paddle.to_tensor(k_cache).reshape([-1, dim]),
+                                         paddle.to_tensor(v_cache).reshape([-1, dim]), paddle.to_tensor(tables),
+                                         paddle.to_tensor(lens), int(lens.max()), kv_heads, block_size, 0.125)
+    want = reference_attention(q, k_cache, v_cache, tables, lens, block_size, 0.125)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_with_the_kernels_off(kernels, monkeypatch):
+    llm = LLM(max_num_seqs=4, device="cpu")
+    prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "def main("]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    on = llm.generate(prompts, params)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    off = llm.generate(prompts, params)
+    for a, b in zip(on, off):
+        assert list(a.outputs.token_ids) == list(b.outputs.token_ids)
+        np.testing.assert_allclose([p.logprob for p in a.outputs.logprobs], [p.logprob for p in b.outputs.logprobs],
+                                   atol=1e-4)
+
+
+def serve_one(env: dict[str, str]) -> subprocess.CompletedProcess:
+    snippet = ("import logging; logging.basicConfig(level=logging.INFO);"
+               "from fastdeploy_lp import LLM, SamplingParams;"
+               "out = LLM(max_num_seqs=1, device='cpu').generate(['Hello'], SamplingParams(max_tokens=3));"
+               "print('TOKENS', len(out[0].outputs.token_ids))")
+    return subprocess.run([sys.executable, "-c", snippet], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_without_a_compiler_the_engine_uses_paddle_and_says_so(tmp_path):
+    done = serve_one({"CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "TOKENS 3" in done.stdout
+    assert "CPU kernels unavailable" in done.stderr and "using Paddle's kernels" in done.stderr
+
+
+def test_the_switch_turns_them_off():
+    done = serve_one({cpu_kernels.SWITCH: "0"})
+    assert done.returncode == 0, done.stderr
+    assert "CPU kernels: off" in done.stderr
