@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.model import cpu_kernels
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "models", "qwen2.5-0.5b-random")
 
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--without-cpu-kernels", action="store_true",
+                    help="also time the engine with Paddle's kernels only (FDLP_CPU_KERNELS=0) in the same run")
     args = ap.parse_args()
 
     rng = np.random.default_rng(0)
@@ -136,7 +139,12 @@ def main() -> None:
             bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
             ours = bench_fastdeploy(llm, prompts, args.output_len)
             theirs = bench_transformers(args.model, prompts, args.output_len)
-            row = {"prompt_len": prompt_len, "batch": batch, "fastdeploy_lp": ours, "transformers": theirs}
+            row = {"prompt_len": prompt_len, "batch": batch, "fastdeploy_lp": ours, "transformers": theirs,
+                   "cpu_kernels": cpu_kernels.load() is not None}
+            if args.without_cpu_kernels:
+                kernels, cpu_kernels._loaded = cpu_kernels._loaded, None
+                row["fastdeploy_lp_paddle_kernels"] = bench_fastdeploy(llm, prompts, args.output_len)
+                cpu_kernels._loaded = kernels
             if theirs:
                 row["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
                 row["ttft_ratio"] = ours["ttft_s"] / theirs["ttft_s"]
@@ -154,6 +162,11 @@ def main() -> None:
         print(f"{r['prompt_len']:>6} | {r['batch']:>5} | {ours['decode_tok_s']:>10.1f} | {ours['ttft_s']:>11.3f} | "
               f"{hf.get('decode_tok_s', float('nan')):>8.1f} | {hf.get('ttft_s', float('nan')):>9.3f} | "
               f"{d if d is not None else float('nan'):>11.2f}x | {t if t is not None else float('nan'):>9.2f}x | {aims}")
+    for r in rows:
+        if "fastdeploy_lp_paddle_kernels" in r:
+            plain = r["fastdeploy_lp_paddle_kernels"]
+            print(f"prompt {r['prompt_len']} batch {r['batch']}: Paddle kernels only {plain['decode_tok_s']:.1f} tok/s, "
+                  f"TTFT {plain['ttft_s']:.3f} s (with the C kernels: {r['fastdeploy_lp']['decode_tok_s']:.1f} tok/s)")
     print(f"prefill efficiency ({prefill['seqs']} x {prefill['prompt_len']} tokens): "
           f"{prefill['achieved_gflops']:.0f} GFLOP/s achieved vs {prefill['gemm_gflops']:.0f} GFLOP/s Paddle GEMM "
           f"on the same shapes = {prefill['efficiency']:.0%} (aim >= 85%: "
