@@ -4,6 +4,8 @@ a request joining mid-batch; rows without args must come back bit for bit."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import paddle
 import pytest
@@ -170,6 +172,19 @@ def test_no_repeat_ngram_sizes_one_and_four(n, fd_config):
     batch.place(4, [5, 6], {"no_repeat_ngram_size": n})
     for _ in range(5):
         check_step(proc, batch, ref_no_repeat_ngram, rng, fd_config.tokenizer)
+
+
+def test_no_repeat_ngram_keeps_a_ban_that_thousands_of_windows_name(fd_config):
+    """Thousands of windows name the same (row, token), half of them hits. The processor used to
+    add -inf and 0 with an accumulating index_put_, whose CPU kernel races on repeated indices
+    (a direct check lost the -inf in 37 of 200 trials); the mask it writes now is idempotent."""
+    paddle.base.core.set_num_threads(max(2, len(os.sched_getaffinity(0))))  # as the engine runs
+    proc = resolve_processor("NoRepeatNGramLogitsProcessor")(fd_config)
+    batch = HandBatch(fd_config)
+    batch.place(0, [1, 5, 2, 5] * 1000 + [1], {"no_repeat_ngram_size": 2})  # "1 5" bans 5; "2 5" does not
+    proc.update_state(batch.share)
+    for _ in range(30):
+        assert banned(proc.apply(paddle.zeros([1, 1024])).numpy()[0]) == [5]
 
 
 def test_no_repeat_ngram_bans_across_the_prompt_output_boundary(fd_config):
