@@ -42,6 +42,15 @@ def test_linear_reads_a_row_slice_where_it_starts(kernels):
     np.testing.assert_allclose(kernels.linear(x[2:5], w).numpy(), (x[2:5] @ w.T).numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,width", [(1, 37), (7, 1024), (300, 4864)])
+def test_swiglu_matches_paddle_including_extremes(kernels, rows, width):
+    x = paddle.randn([rows, 2 * width]) * 8
+    x[0, :4] = paddle.to_tensor([-200.0, 200.0, float("nan"), 0.0])  # clamped exp, NaN kept
+    got, want = kernels.swiglu(x).numpy(), paddle.nn.functional.swiglu(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    assert np.isnan(got[0, 2]) and np.isfinite(np.delete(got, 2, axis=1)).all()
+
+
 def reference_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
     """numpy: gather each sequence's keys block by block, softmax(q k^T * scale) v per head."""
     seqs, heads, dim = q.shape

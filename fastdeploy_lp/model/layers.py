@@ -361,7 +361,9 @@ class MLP(nn.Layer):
 
     def forward(self, x):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        if self.fused_swiglu:
+        if self.fused_swiglu and (kernels := kernels_for(gate_up)) is not None:
+            hidden = kernels.swiglu(gate_up)  # 25 vs 90 ms for Paddle's CPU swiglu on [4096, 2 x 4864]
+        elif self.fused_swiglu:
             hidden = F.swiglu(gate_up)
         else:
             gate, up = paddle.split(gate_up, 2, axis=-1)

@@ -12,6 +12,7 @@
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned access */
+typedef int32_t ivec __attribute__((vector_size(64), aligned(4)));
 #define LANES 16
 
 static inline vec load(const float *p) { return *(const vec *)p; }
@@ -20,6 +21,27 @@ static inline vec load_tail(const float *p, int64_t n) {
     vec v = {0};
     memcpy(&v, p, (size_t)n * sizeof(float));
     return v;
+}
+
+static inline vec blend(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
+
+/* e^x for 16 lanes: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, 2^n in the exponent
+ * bits), relative error ~1e-7. Inputs are clamped to [-87.3, 88.3] so the result stays finite and
+ * non-zero; NaN stays NaN. */
+static inline vec exp_vec(vec x) {
+    const vec lo = (vec){0} - 87.3f, hi = (vec){0} + 88.3f;
+    x = blend(x < lo, lo, x);
+    x = blend(x > hi, hi, x);
+    vec n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round to nearest */
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec p = (vec){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return (p * r * r + r + 1.f) * (vec)bits;
 }
 
 static inline float lane_sum(vec v) { /* a shuffle tree: four adds, not fifteen in a chain */
@@ -82,6 +104,25 @@ void fdlp_linear(const float *x, const float *w, const float *bias, float *y, in
         if (bias)
             for (int64_t m = 0; m < m_len; m++)
                 for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
+    }
+}
+
+/* out[m, i] = silu(x[m, i]) * x[m, width + i] for x [M, 2 * width]: the gate and up halves of a
+ * fused gate/up projection (the layout of Paddle's swiglu). */
+void fdlp_swiglu(const float *x, float *out, int64_t m_len, int64_t width, int threads) {
+    const int64_t chunk = 1024;
+    int64_t per_row = (width + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < m_len * per_row; task++) {
+        int64_t m = task / per_row, i0 = task % per_row * chunk, i1 = i0 + chunk < width ? i0 + chunk : width;
+        const float *gate = x + m * 2 * width, *up = gate + width;
+        float *o = out + m * width;
+        int64_t i = i0;
+        for (; i + LANES <= i1; i += LANES) {
+            vec g = load(gate + i);
+            *(vec *)(o + i) = g / (1.f + exp_vec(-g)) * load(up + i);
+        }
+        for (; i < i1; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
     }
 }
 
