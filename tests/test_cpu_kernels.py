@@ -42,6 +42,24 @@ def test_linear_reads_a_row_slice_where_it_starts(kernels):
     np.testing.assert_allclose(kernels.linear(x[2:5], w).numpy(), (x[2:5] @ w.T).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_argmax_takes_the_first_largest_and_skips_nan(kernels):
+    x = paddle.randn([5, 151936])
+    x[1] = float("-inf")
+    x[2, 7], x[2, 9000] = 1e9, 1e9              # a tie: the first one
+    x[3, 0], x[3, 5] = float("nan"), 1e9        # NaN is never the largest
+    x[4, 150000] = float("inf")
+    got = kernels.argmax(x).numpy()
+    want = paddle.argmax(x, axis=-1).numpy()
+    np.testing.assert_array_equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    assert got[1] == 0 and got[2] == 7 and got[3] == 5 and got[4] == 150000
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (13, 151), (64, 4864)])
+def test_transpose_copies_exactly(kernels, shape):
+    x = paddle.randn(list(shape))
+    np.testing.assert_array_equal(kernels.transpose(x).numpy(), x.numpy().T)
+
+
 @pytest.mark.parametrize("rows,width", [(1, 37), (7, 1024), (300, 4864)])
 def test_swiglu_matches_paddle_including_extremes(kernels, rows, width):
     x = paddle.randn([rows, 2 * width]) * 8
@@ -49,6 +67,24 @@ def test_swiglu_matches_paddle_including_extremes(kernels, rows, width):
     got, want = kernels.swiglu(x).numpy(), paddle.nn.functional.swiglu(x).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
     assert np.isnan(got[0, 2]) and np.isfinite(np.delete(got, 2, axis=1)).all()
+
+
+def test_rotary_cache_write_matches_apply_rotary_and_scatter(kernels):
+    from fastdeploy_lp.model.layers import apply_rotary
+    heads, kv_heads, dim, tokens = 6, 2, 64, 5
+    cos, sin = paddle.randn([40, dim]), paddle.randn([40, dim])
+    positions = paddle.to_tensor([0, 3, 17, 39, 4], dtype="int64")
+    rows = paddle.to_tensor(np.random.default_rng(0).permutation(30)[: tokens * kv_heads], dtype="int64")
+    qkv = paddle.randn([tokens, (heads + 2 * kv_heads) * dim])
+    q, k, v = paddle.split(qkv.reshape([tokens, -1, dim]), [heads, kv_heads, kv_heads], axis=1)
+    c, sn = paddle.index_select(cos, positions).unsqueeze(1), paddle.index_select(sin, positions).unsqueeze(1)
+    want_q, want_k = apply_rotary(q, c, sn), apply_rotary(k, c, sn)
+    k_cache, v_cache = paddle.zeros([30, dim]), paddle.zeros([30, dim])
+    kernels.rotary_cache_write(qkv, cos, sin, positions, rows, k_cache, v_cache, heads, kv_heads)
+    got = qkv.reshape([tokens, -1, dim])
+    np.testing.assert_allclose(got[:, :heads].numpy(), want_q.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k_cache.numpy()[rows.numpy()], want_k.reshape([-1, dim]).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(v_cache.numpy()[rows.numpy()], v.reshape([-1, dim]).numpy())
 
 
 def reference_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
@@ -68,14 +104,15 @@ def reference_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 4)])
-def test_paged_decode_attention_matches_a_gather_reference(kernels, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 128), (4, 2, 40)])  # 40: no 16-lane rows
+def test_paged_decode_attention_matches_a_gather_reference(kernels, heads, kv_heads, dim):
     rng = np.random.default_rng(heads)
-    block_size, dim, blocks = 4, 64, 12
+    block_size, blocks = 4, 12
     k_cache, v_cache = (rng.standard_normal((blocks, kv_heads, block_size, dim), dtype=np.float32) for _ in "kv")
-    lens = np.array([1, 7, 13], dtype=np.int64)  # one key; a partial block; blocks out of order
-    tables = np.array([[9, 0, 0, 0], [3, 11, 0, 0], [5, 1, 8, 2]], dtype=np.int64)
-    q = rng.standard_normal((3, heads, dim), dtype=np.float32)
+    lens = np.array([1, 7, 13, 40], dtype=np.int64)  # one key; a partial block; blocks out of order; 16+ keys
+    tables = np.array([[9, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 11, 0, 0, 0, 0, 0, 0, 0, 0],
+                       [5, 1, 8, 2, 0, 0, 0, 0, 0, 0], [4, 10, 0, 6, 7, 2, 1, 11, 3, 9]], dtype=np.int64)
+    q = rng.standard_normal((4, heads, dim), dtype=np.float32)
     got = kernels.paged_decode_attention(paddle.to_tensor(q), paddle.to_tensor(k_cache).reshape([-1, dim]),
                                          paddle.to_tensor(v_cache).reshape([-1, dim]), paddle.to_tensor(tables),
                                          paddle.to_tensor(lens), int(lens.max()), kv_heads, block_size, 0.125)

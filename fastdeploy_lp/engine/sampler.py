@@ -19,6 +19,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from ..model.layers import kernels_for
 from ..processors.tensor_ops import add_at, fill_at
 from .request import Logprob, Request
 
@@ -99,7 +100,8 @@ class Sampler:
 
     def _sample(self, logits, requests, greedy, uniforms):
         logits = self._apply_min_tokens(logits.astype("float32"), requests)
-        argmax = paddle.argmax(logits, axis=-1)
+        kernels = kernels_for(logits)
+        argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
         if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
             self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
         unusable = _unusable_rows(logits, argmax, self._ones)

@@ -12,7 +12,7 @@ from paddle import nn
 
 from ..config import ModelConfig
 from ..distributed.shard import TensorShard
-from .layers import KERNEL_ROWS, MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, kernels_for
+from .layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear
 
 
 class DecoderLayer(nn.Layer):
@@ -71,12 +71,8 @@ class DecoderForCausalLM(nn.Layer):
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        if hidden.shape[0] <= KERNEL_ROWS and (kernels := kernels_for(hidden)) is not None:
-            out = kernels.linear(hidden, weight)
-        else:
-            # weight @ hidden^T, transposed back: for a few rows Paddle's CPU GEMM streams the wide
-            # [vocab, hidden] matrix ~1.5x faster this way round than hidden @ weight^T.
-            out = paddle.matmul(weight, hidden, transpose_y=True).T.contiguous()
+        out = linear(hidden, weight)  # CPU: the decode kernels, or MKL streaming the wide [vocab, hidden] matrix
+        out = out if out.is_contiguous() else out.contiguous()
         if self.shard is not None:  # each rank scored its rows of the vocabulary
             out = self.shard.all_gather(out, axis=-1)
         return out.astype("float32")

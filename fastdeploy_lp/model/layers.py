@@ -42,10 +42,12 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     285-320 vs 186-214 GFLOP/s); with many rows (prefill) both are alike, and other devices get
     the plain product.
     """
-    kernels = kernels_for(x) if x.shape[0] <= KERNEL_ROWS else None
-    if kernels is not None:
+    kernels = kernels_for(x) if x.shape[0] <= _FEW_ROWS else None
+    if kernels is not None and x.shape[0] <= KERNEL_ROWS:
         return kernels.linear(x, weight, bias)
-    if x.shape[0] <= _FEW_ROWS and x.place.is_cpu_place():
+    if kernels is not None:  # a contiguous result: later ops copied the transposed view at ~1 GB/s
+        out = kernels.transpose(paddle.matmul(weight, x, transpose_y=True))
+    elif x.shape[0] <= _FEW_ROWS and x.place.is_cpu_place():
         out = paddle.matmul(weight, x, transpose_y=True).T
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
@@ -242,6 +244,16 @@ class AttentionBatch:
         return self._rotary
 
 
+def _zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
+    """Clear the blocks handed out since the last pass (`AttentionBatch.zero_rows`)."""
+    if batch.zero_rows is None:
+        return
+    for cache in kv_cache:
+        blocks = cache.reshape([-1, cache.shape[-1] * batch.groups[0].block_size])
+        blocks.scatter_(batch.zero_rows, paddle.zeros([batch.zero_rows.shape[0], blocks.shape[-1]], cache.dtype),
+                        overwrite=True)
+
+
 class Attention(nn.Layer):
     """Self-attention with fused q/k/v. With a `shard` (tensor parallelism) this rank holds
     `1/size` of the query and KV heads (their q/k/v rows and o_proj columns) and its slice of the
@@ -269,29 +281,36 @@ class Attention(nn.Layer):
     def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
         # x: [tokens, hidden] (the batch is flattened to tokens)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
-        q = q.reshape([-1, self.num_heads, self.head_dim])
-        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
-        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = batch.rotary_tables(rotary, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        if kv_cache is None:
-            out = self._causal(q, k, v)
+        kernels = kernels_for(qkv) if kv_cache is not None and self.q_norm is None else None
+        if kernels is not None:
+            q = self._rotate_and_store(kernels, qkv, batch, rotary, kv_cache)
         else:
-            k_cache, v_cache = kv_cache
-            if batch.zero_rows is not None:
-                for cache in kv_cache:
-                    blocks = cache.reshape([-1, cache.shape[-1] * batch.groups[0].block_size])
-                    blocks.scatter_(batch.zero_rows, paddle.zeros([batch.zero_rows.shape[0], blocks.shape[-1]],
-                                                                  cache.dtype), overwrite=True)
-            k_cache.scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
-            v_cache.scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
-            kernels = kernels_for(q)
-            outs = [self._cached(q[g.start:g.end], g, k_cache, v_cache, kernels) for g in batch.groups]
-            out = outs[0] if len(outs) == 1 else paddle.concat(outs)
+            q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+            q = q.reshape([-1, self.num_heads, self.head_dim])
+            k = k.reshape([-1, self.num_kv_heads, self.head_dim])
+            v = v.reshape([-1, self.num_kv_heads, self.head_dim])
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = batch.rotary_tables(rotary, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kv_cache is None:
+                return self._project(self._causal(q, k, v))
+            _zero_fresh_blocks(batch, kv_cache)
+            kv_cache[0].scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
+            kv_cache[1].scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
+        outs = [self._cached(q[g.start:g.end], g, *kv_cache, kernels) for g in batch.groups]
+        return self._project(outs[0] if len(outs) == 1 else paddle.concat(outs))
+
+    def _rotate_and_store(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary, kv_cache):
+        """The CPU kernel path of rotary and the cache write: one call instead of a split, three
+        reshapes, eight rotary ops and two scatters. Returns the rotated queries `[T, H, D]`."""
+        qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
+        _zero_fresh_blocks(batch, kv_cache)
+        kernels.rotary_cache_write(qkv, rotary.cos, rotary.sin, batch.positions, batch.write_rows, *kv_cache,
+                                   self.num_heads, self.num_kv_heads)
+        return qkv[:, :self.q_size].reshape([-1, self.num_heads, self.head_dim])
+
+    def _project(self, out):
         if self.shard is None:
             return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
         out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight))  # row-parallel

@@ -107,6 +107,29 @@ void fdlp_linear(const float *x, const float *w, const float *bias, float *y, in
     }
 }
 
+/* out[r] = the first index of row r's largest value (NaN skipped; 0 for a row of -inf or NaN). */
+void fdlp_argmax(const float *x, int64_t *out, int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float top = -INFINITY;
+        int64_t at = 0;
+        for (int64_t c = 0; c < cols; c++)
+            if (row[c] > top) top = row[c], at = c;
+        out[r] = at;
+    }
+}
+
+/* out[c, r] = x[r, c] for x [rows, cols], in 16 x 16 tiles that stay in L1. */
+void fdlp_transpose(const float *x, float *out, int64_t rows, int64_t cols, int threads) {
+    const int64_t tile = 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r0 = 0; r0 < rows; r0 += tile)
+        for (int64_t c0 = 0; c0 < cols; c0 += tile)
+            for (int64_t r = r0; r < r0 + tile && r < rows; r++)
+                for (int64_t c = c0; c < c0 + tile && c < cols; c++) out[c * rows + r] = x[r * cols + c];
+}
+
 /* out[m, i] = silu(x[m, i]) * x[m, width + i] for x [M, 2 * width]: the gate and up halves of a
  * fused gate/up projection (the layout of Paddle's swiglu). */
 void fdlp_swiglu(const float *x, float *out, int64_t m_len, int64_t width, int threads) {
@@ -126,6 +149,31 @@ void fdlp_swiglu(const float *x, float *out, int64_t m_len, int64_t width, int t
     }
 }
 
+/* For each token t of a pass: rotate its query and key heads in place in the fused q/k/v row
+ * `qkv[t]` ([H + 2 KV heads, D]) at position positions[t], x * cos + roll(x, D/2) * signed_sin
+ * with the tables' rows [max_pos, D] (the sign lives in the sin table), then copy its key and value
+ * heads to rows write_rows[t * KV + g] of the caches viewed as [-1, D]. */
+void fdlp_rotary_cache_write(float *qkv, const float *cos_table, const float *sin_table, const int64_t *positions,
+                             const int64_t *write_rows, float *k_cache, float *v_cache, int64_t tokens,
+                             int64_t heads, int64_t kv_heads, int64_t dim, int threads) {
+    int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * width, tmp[dim];
+        const float *c = cos_table + positions[t] * dim, *sn = sin_table + positions[t] * dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x = row + h * dim;
+            memcpy(tmp, x, (size_t)dim * sizeof(float));
+            for (int64_t i = 0; i < dim; i++) x[i] = tmp[i] * c[i] + tmp[(i + half) % dim] * sn[i];
+        }
+        for (int64_t g = 0; g < kv_heads; g++) {
+            int64_t at = write_rows[t * kv_heads + g] * dim;
+            memcpy(k_cache + at, row + (heads + g) * dim, (size_t)dim * sizeof(float));
+            memcpy(v_cache + at, row + (heads + kv_heads + g) * dim, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     vec acc = {0};
     int64_t i = 0;
@@ -133,6 +181,42 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     float s = lane_sum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* row[0:len] = softmax(row[0:len]), the exponentials 16 at a time. */
+static void softmax_row(float *row, int64_t len) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
+    int64_t t = 0;
+    for (; t + LANES <= len; t += LANES) {
+        vec e = exp_vec(load(row + t) - top);
+        *(vec *)(row + t) = e;
+        total += lane_sum(e);
+    }
+    for (; t < len; t++) total += row[t] = expf(row[t] - top);
+    for (t = 0; t < len; t++) row[t] /= total;
+}
+
+/* o[0:dim] = sum_t p[t] * value_t, with the value rows read from the blocks of KV head g; the
+ * output stays in registers when dim is a multiple of 16 (up to 256). */
+static void weighted_values(const float *p, const float *v_cache, const int64_t *table, int64_t g, int64_t kv_heads,
+                            int64_t block_size, int64_t dim, int64_t len, float *o) {
+    if (dim % LANES == 0 && dim <= 16 * LANES) {
+        vec acc[16];
+        int64_t n = dim / LANES;
+        for (int64_t j = 0; j < n; j++) acc[j] = (vec){0};
+        for (int64_t t = 0; t < len; t++) {
+            const float *value = v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
+            for (int64_t j = 0; j < n; j++) acc[j] += p[t] * load(value + j * LANES);
+        }
+        for (int64_t j = 0; j < n; j++) *(vec *)(o + j * LANES) = acc[j];
+        return;
+    }
+    memset(o, 0, (size_t)dim * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        const float *value = v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] += p[t] * value[d];
+    }
 }
 
 /* One new token per sequence attending over its cached keys, read in place from the blocks.
@@ -157,19 +241,8 @@ void fdlp_paged_decode_attention(const float *q, const float *k_cache, const flo
             const float *key = k_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
             for (int64_t h = 0; h < per_kv; h++) scores[h * max_len + t] = scale * dot(qg + h * dim, key, dim);
         }
-        for (int64_t h = 0; h < per_kv; h++) {
-            float *row = scores + h * max_len, top = -INFINITY, total = 0.f;
-            for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
-            for (int64_t t = 0; t < len; t++) total += row[t] = expf(row[t] - top);
-            for (int64_t t = 0; t < len; t++) row[t] /= total;
-        }
-        memset(o, 0, (size_t)(per_kv * dim) * sizeof(float));
-        for (int64_t t = 0; t < len; t++) {
-            const float *value = v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
-            for (int64_t h = 0; h < per_kv; h++) {
-                float p = scores[h * max_len + t], *oh = o + h * dim;
-                for (int64_t d = 0; d < dim; d++) oh[d] += p * value[d];
-            }
-        }
+        for (int64_t h = 0; h < per_kv; h++) softmax_row(scores + h * max_len, len);
+        for (int64_t h = 0; h < per_kv; h++)
+            weighted_values(scores + h * max_len, v_cache, table, g, kv_heads, block_size, dim, len, o + h * dim);
     }
 }
