@@ -87,36 +87,39 @@ def test_rotary_cache_write_matches_apply_rotary_and_scatter(kernels):
     np.testing.assert_array_equal(v_cache.numpy()[rows.numpy()], v.reshape([-1, dim]).numpy())
 
 
-def reference_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
-    """numpy: gather each sequence's keys block by block, softmax(q k^T * scale) v per head."""
-    seqs, heads, dim = q.shape
+def reference_attention(q, k_cache, v_cache, tables, lens, new, block_size, scale):
+    """numpy: gather each sequence's keys block by block; its j-th new token attends to keys
+    [0, len - new + j], softmax(q k^T * scale) v per head."""
+    tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     out = np.zeros_like(q)
-    for s in range(seqs):
-        t = np.arange(lens[s])
+    for row in range(tokens):
+        s, j = divmod(row, new)
+        t = np.arange(lens[s] - new + j + 1)
         keys = k_cache[tables[s][t // block_size], :, t % block_size]  # [len, kv_heads, dim]
         values = v_cache[tables[s][t // block_size], :, t % block_size]
         for h in range(heads):
             g = h // (heads // kv_heads)
-            scores = keys[:, g] @ q[s, h] * scale
+            scores = keys[:, g] @ q[row, h] * scale
             p = np.exp(scores - scores.max())
-            out[s, h] = (p / p.sum()) @ values[:, g]
+            out[row, h] = (p / p.sum()) @ values[:, g]
     return out
 
 
+@pytest.mark.parametrize("new", [1, 3])  # decode, and the causal mask among a pass's own tokens
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 128), (4, 2, 40)])  # 40: no 16-lane rows
-def test_paged_decode_attention_matches_a_gather_reference(kernels, heads, kv_heads, dim):
+def test_paged_attention_matches_a_gather_reference(kernels, heads, kv_heads, dim, new):
     rng = np.random.default_rng(heads)
     block_size, blocks = 4, 12
     k_cache, v_cache = (rng.standard_normal((blocks, kv_heads, block_size, dim), dtype=np.float32) for _ in "kv")
-    lens = np.array([1, 7, 13, 40], dtype=np.int64)  # one key; a partial block; blocks out of order; 16+ keys
+    lens = np.array([3, 7, 13, 40], dtype=np.int64)  # a partial block; blocks out of order; 16+ keys
     tables = np.array([[9, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 11, 0, 0, 0, 0, 0, 0, 0, 0],
                        [5, 1, 8, 2, 0, 0, 0, 0, 0, 0], [4, 10, 0, 6, 7, 2, 1, 11, 3, 9]], dtype=np.int64)
-    q = rng.standard_normal((4, heads, dim), dtype=np.float32)
-    got = kernels.paged_decode_attention(paddle.to_tensor(q), paddle.to_tensor(k_cache).reshape([-1, dim]),
-                                         paddle.to_tensor(v_cache).reshape([-1, dim]), paddle.to_tensor(tables),
-                                         paddle.to_tensor(lens), int(lens.max()), kv_heads, block_size, 0.125)
-    want = reference_attention(q, k_cache, v_cache, tables, lens, block_size, 0.125)
+    q = rng.standard_normal((4 * new, heads, dim), dtype=np.float32)
+    got = kernels.paged_attention(paddle.to_tensor(q), paddle.to_tensor(k_cache).reshape([-1, dim]),
+                                  paddle.to_tensor(v_cache).reshape([-1, dim]), paddle.to_tensor(tables),
+                                  paddle.to_tensor(lens), new, int(lens.max()), kv_heads, block_size, 0.125)
+    want = reference_attention(q, k_cache, v_cache, tables, lens, new, block_size, 0.125)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 

@@ -157,7 +157,7 @@ class SequenceGroup:
 
     @cached_property
     def kernel_inputs(self) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Block tables and lengths as tensors, for `cpu_kernels.paged_decode_attention`."""
+        """Block tables and lengths as tensors, for `cpu_kernels.paged_attention`."""
         return paddle.to_tensor(self.tables), paddle.to_tensor(np.asarray(self.lens, dtype=np.int64))
 
     def _chunk(self, lens: np.ndarray, a: int, b: int) -> "QueryChunk":
@@ -329,14 +329,14 @@ class Attention(nn.Layer):
     def _cached(self, q, group: SequenceGroup, k_cache, v_cache, kernels: cpu_kernels.CpuKernels | None = None):
         """Attention of new tokens over their sequences' cached keys (prefill chunks or batched decode).
 
-        One token per sequence with the CPU kernels: one call that reads the blocks in place.
-        Otherwise heads sharing a KV head are folded into the query-length axis, so each product is
-        one batched matmul over [sequences, kv heads] on keys gathered block by block.
+        With the CPU kernels: one call that reads the blocks in place. Otherwise heads sharing a KV
+        head are folded into the query-length axis, so each product is one batched matmul over
+        [sequences, kv heads] on keys gathered block by block.
         """
-        if kernels is not None and group.new == 1:
+        if kernels is not None:
             tables, lens = group.kernel_inputs
-            return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, max(group.lens),
-                                                  self.num_kv_heads, group.block_size, self.scale)
+            return kernels.paged_attention(q, k_cache, v_cache, tables, lens, group.new, max(group.lens),
+                                           self.num_kv_heads, group.block_size, self.scale)
         seqs, new = len(group.lens), group.new
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Scale q, not the scores: they are span/dim times larger, and every pass over them counts.

@@ -1,11 +1,16 @@
-"""CPU kernels for the decode step, in C (`kernels.c`), built with the system compiler at first use.
+"""CPU kernels for the forward pass, in C (`kernels.c`), built with the system compiler at first use.
 
 Why hand-written: on the bench model's shapes every CPU BLAS tried here (Paddle's MKL, PyTorch's,
 numpy's OpenBLAS) reads the weight at about half its GEMV speed once a product has 2 to 16 rows,
-so a batch-8 decode step spent ~145 ms in GEMMs whose weights a GEMV streams in ~73 ms.
-`linear` streams each weight row once for all rows of x. `paged_decode_attention` reads the KV
-blocks where they are instead of gathering them, in one call per layer instead of eight ops.
-`swiglu` is Paddle's CPU swiglu with a vectorised exp, 3.6x faster (prefill and decode).
+so a batch-8 decode step spent ~145 ms in GEMMs whose weights a GEMV streams in ~73 ms; and
+Paddle's CPU kernels around the GEMMs (swiglu, rotary, argmax, transposes, attention over gathered
+blocks) were single-threaded or scalar.
+
+* `linear`: `x @ W^T` for up to 12 rows, each weight row streamed once for all rows of x.
+* `paged_attention`: causal attention reading the KV blocks where they are, one call per layer
+  (prefill chunks and decode), instead of a gather, two matmuls, a mask add and a softmax.
+* `rotary_cache_write`: rotary on q/k and the cache write, in place in the fused q/k/v rows.
+* `swiglu`, `argmax`, `transpose`: Paddle's ops, vectorised (exp) and on every core.
 
 The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
 `$XDG_CACHE_HOME/fastdeploy_lp` (default `~/.cache`) and linked against the OpenMP runtime next to
@@ -49,8 +54,8 @@ class CpuKernels:
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._linear = library.fdlp_linear
         self._linear.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
-        self._attention = library.fdlp_paged_decode_attention
-        self._attention.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, c_int]
+        self._attention = library.fdlp_paged_attention
+        self._attention.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, c_int]
         self._swiglu = library.fdlp_swiglu
         self._swiglu.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._rotary_write = library.fdlp_rotary_cache_write
@@ -107,18 +112,19 @@ class CpuKernels:
                            write_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], heads,
                            kv_heads, dim, _threads)
 
-    def paged_decode_attention(self, q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
-                               tables: paddle.Tensor, lens: paddle.Tensor, max_len: int, kv_heads: int,
-                               block_size: int, scale: float) -> paddle.Tensor:
-        """One new token per sequence over its cached keys: q `[S, H, D]` rotated, scores times `scale`, caches
-        holding `[blocks, kv_heads, block_size, D]` (any view of that memory), tables `[S, width]` and
-        lens `[S]` int64 with every len <= max_len. Returns `[S, H, D]`."""
+    def paged_attention(self, q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, tables: paddle.Tensor,
+                        lens: paddle.Tensor, new: int, max_len: int, kv_heads: int, block_size: int,
+                        scale: float) -> paddle.Tensor:
+        """Causal attention of each sequence's `new` last tokens over its cached keys (already
+        written): q `[S * new, H, D]` rotated, sequence-major; scores times `scale`; caches holding
+        `[blocks, kv_heads, block_size, D]` (any view of that memory); tables `[S, width]` and lens
+        `[S]` (tokens after this pass) int64, every len <= max_len. Returns `[S * new, H, D]`."""
         q = q if q.is_contiguous() else q.contiguous()
-        seqs, heads, dim = q.shape
+        tokens, heads, dim = q.shape
         out = paddle.empty_like(q)
         scratch = paddle.empty([_threads, heads // kv_heads, max_len], dtype="float32")
         self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                        out.data_ptr(), scratch.data_ptr(), seqs, heads, kv_heads, dim, block_size,
+                        out.data_ptr(), scratch.data_ptr(), tokens // new, new, heads, kv_heads, dim, block_size,
                         tables.shape[1], max_len, scale, _threads)
         return out
 
@@ -133,7 +139,7 @@ def load() -> CpuKernels | None:
         else:
             try:
                 _loaded = CpuKernels(ctypes.CDLL(str(_build())))
-                logger.info("CPU kernels: built-in linear, swiglu and paged decode attention")
+                logger.info("CPU kernels: built-in linear, swiglu, rotary and paged attention")
             except (OSError, subprocess.SubprocessError) as e:
                 logger.warning("CPU kernels unavailable (%s); using Paddle's kernels", e)
     return _loaded or None

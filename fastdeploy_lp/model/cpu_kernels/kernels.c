@@ -219,23 +219,26 @@ static void weighted_values(const float *p, const float *v_cache, const int64_t 
     }
 }
 
-/* One new token per sequence attending over its cached keys, read in place from the blocks.
+/* Causal attention of each sequence's `new` last tokens over its cached keys, read in place from
+ * the blocks (the new tokens' own keys are already written).
  *
- * q, out: [S, H, D] (q rotated; scores are scaled by `scale`); k_cache, v_cache: [blocks, KV, block_size, D];
- * tables: [S, table_width] block ids; lens: [S] keys each sequence attends to (its cached tokens
- * and this one). The H / KV query heads of a KV head are one task, so each key and value row is
- * read once for all of them. `scratch` holds one task's scores per thread: [threads, H / KV, max_len]. */
-void fdlp_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                                 const int64_t *lens, float *out, float *scratch, int64_t seqs, int64_t heads,
-                                 int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
-                                 int64_t max_len, float scale, int threads) {
+ * q, out: [S * new, H, D], sequence-major (q rotated; scores are scaled by `scale`); k_cache,
+ * v_cache: [blocks, KV, block_size, D]; tables: [S, table_width] block ids; lens: [S] tokens of each
+ * sequence after this pass, so its j-th new token sees keys [0, lens[s] - new + j]. The H / KV query
+ * heads of a KV head are one task, so each key and value row is read once for all of them.
+ * `scratch` holds one task's scores per thread: [threads, H / KV, max_len]. */
+void fdlp_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                          const int64_t *lens, float *out, float *scratch, int64_t seqs, int64_t new_tokens,
+                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
+                          int64_t max_len, float scale, int threads) {
     int64_t per_kv = heads / kv_heads;
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
-    for (int64_t task = 0; task < seqs * kv_heads; task++) {
-        int64_t s = task / kv_heads, g = task % kv_heads, len = lens[s];
+    for (int64_t task = 0; task < seqs * new_tokens * kv_heads; task++) {
+        int64_t token = task / kv_heads, g = task % kv_heads, s = token / new_tokens;
+        int64_t len = lens[s] - new_tokens + token % new_tokens + 1;
         const int64_t *table = tables + s * table_width;
-        const float *qg = q + (s * heads + g * per_kv) * dim; /* this group's per_kv query rows */
-        float *o = out + (s * heads + g * per_kv) * dim;
+        const float *qg = q + (token * heads + g * per_kv) * dim; /* this group's per_kv query rows */
+        float *o = out + (token * heads + g * per_kv) * dim;
         float *scores = scratch + (int64_t)omp_get_thread_num() * per_kv * max_len;
         for (int64_t t = 0; t < len; t++) {
             const float *key = k_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
