@@ -23,7 +23,7 @@ from .activations import activation
 
 
 _FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
-KERNEL_ROWS = 12  # up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
+KERNEL_ROWS = 32  # from 2 up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
 
 
 def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
@@ -36,18 +36,20 @@ def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """`x @ weight^T + bias` for a weight in Hugging Face's `[out, in]` layout.
 
-    On CPU, a few rows (decode) go to `cpu_kernels.linear`, which reads the weight once at GEMV
-    speed (bench: 8 rows 99 vs 146 ms over the model's weights). Without it, Paddle's GEMM ran
-    1.4-1.6x faster as `(weight @ x^T)^T` than as `x @ weight^T` for up to 64 rows (32 rows:
-    285-320 vs 186-214 GFLOP/s); with many rows (prefill) both are alike, and other devices get
-    the plain product.
+    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores):
+    one row is MKL's GEMV (73 ms); 2 to 32 rows go to `cpu_kernels.linear`, which reads the weight
+    once where MKL's GEMM reads it at half speed (8 rows: 89 vs 154 ms; 32 rows: 193 vs 195, and
+    no transpose); up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
+    `x @ weight^T`, transposed back by the kernels. Many rows (prefill) and other devices get the
+    plain product.
     """
-    kernels = kernels_for(x) if x.shape[0] <= _FEW_ROWS else None
-    if kernels is not None and x.shape[0] <= KERNEL_ROWS:
+    rows = x.shape[0]
+    kernels = kernels_for(x) if 1 < rows <= _FEW_ROWS else None
+    if kernels is not None and rows <= KERNEL_ROWS:
         return kernels.linear(x, weight, bias)
     if kernels is not None:  # a contiguous result: later ops copied the transposed view at ~1 GB/s
         out = kernels.transpose(paddle.matmul(weight, x, transpose_y=True))
-    elif x.shape[0] <= _FEW_ROWS and x.place.is_cpu_place():
+    elif 1 < rows <= _FEW_ROWS and x.place.is_cpu_place():
         out = paddle.matmul(weight, x, transpose_y=True).T
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
@@ -206,6 +208,7 @@ class AttentionBatch:
     write_rows: paddle.Tensor | None = None
     groups: list[SequenceGroup] | None = None
     zero_rows: paddle.Tensor | None = None
+    max_position: int | None = None  # known for paged passes; the CPU rotary kernel checks its table
     _rotary: tuple | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -234,7 +237,8 @@ class AttentionBatch:
             i += len(run)
         zero = np.asarray(fresh_blocks, dtype=np.int64)
         zero_rows = (zero[:, None] * kv_heads + np.arange(kv_heads)[None, :]).reshape(-1) if len(zero) else None
-        return cls(positions=paddle.to_tensor(np.concatenate(positions)),
+        positions = np.concatenate(positions)
+        return cls(positions=paddle.to_tensor(positions), max_position=int(positions.max()),
                    write_rows=paddle.to_tensor(np.concatenate(rows)), groups=groups,
                    zero_rows=None if zero_rows is None else paddle.to_tensor(zero_rows))
 
@@ -304,6 +308,8 @@ class Attention(nn.Layer):
     def _rotate_and_store(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary, kv_cache):
         """The CPU kernel path of rotary and the cache write: one call instead of a split, three
         reshapes, eight rotary ops and two scatters. Returns the rotated queries `[T, H, D]`."""
+        if batch.max_position is None or batch.max_position >= rotary.cos.shape[0]:
+            raise ValueError(f"position {batch.max_position} outside the rotary table ({rotary.cos.shape[0]} positions)")
         qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
         _zero_fresh_blocks(batch, kv_cache)
         kernels.rotary_cache_write(qkv, rotary.cos, rotary.sin, batch.positions, batch.write_rows, *kv_cache,

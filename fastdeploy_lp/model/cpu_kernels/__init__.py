@@ -145,7 +145,7 @@ def load() -> CpuKernels | None:
     return _loaded or None
 
 
-def _openmp_flags() -> list[str]:
+def _openmp_flags() -> tuple[list[str], list[str]]:
     """Link against Paddle's libiomp5 when it ships one, so MKL and these loops share threads."""
     libs = Path(paddle.__file__).parent / "libs"
     if (libs / "libiomp5.so").exists():
@@ -162,11 +162,32 @@ def _build() -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_flags(), *flags, *link_flags])
                          .encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdeploy_lp"
-    target = cache / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
+    for cache in _cache_dirs():
+        target = cache / f"cpu_kernels-{key}.so"
+        if target.exists() and _private(cache):
+            return target
+        try:
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(cache):
+                continue  # never load a library from a directory someone else can write
+            return _compile(compiler, flags, compile_flags, link_flags, cache, target)
+        except PermissionError:
+            continue  # a read-only home: try the next place
+    raise OSError("no writable directory for the compiled kernels")
+
+
+def _private(directory: Path) -> bool:
+    info = directory.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _cache_dirs() -> list[Path]:
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdeploy_lp"
+    return [home, Path(tempfile.gettempdir()) / f"fastdeploy_lp-{os.getuid()}"]
+
+
+def _compile(compiler: str, flags: list[str], compile_flags: list[str], link_flags: list[str], cache: Path,
+             target: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
         for cmd in ([compiler, *flags, *compile_flags, str(SOURCE), "-o", str(obj)],
