@@ -106,13 +106,13 @@ def reference_attention(q, k_cache, v_cache, tables, lens, new, block_size, scal
     return out
 
 
-@pytest.mark.parametrize("new", [1, 3])  # decode, and the causal mask among a pass's own tokens
+@pytest.mark.parametrize("new", [1, 3, 11])  # decode; the causal mask among a pass's tokens; two query tiles
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 128), (4, 2, 40)])  # 40: no 16-lane rows
 def test_paged_attention_matches_a_gather_reference(kernels, heads, kv_heads, dim, new):
     rng = np.random.default_rng(heads)
     block_size, blocks = 4, 12
     k_cache, v_cache = (rng.standard_normal((blocks, kv_heads, block_size, dim), dtype=np.float32) for _ in "kv")
-    lens = np.array([3, 7, 13, 40], dtype=np.int64)  # a partial block; blocks out of order; 16+ keys
+    lens = np.array([0, 4, 10, 29], dtype=np.int64) + new  # partial blocks; blocks out of order; 16+ keys
     tables = np.array([[9, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 11, 0, 0, 0, 0, 0, 0, 0, 0],
                        [5, 1, 8, 2, 0, 0, 0, 0, 0, 0], [4, 10, 0, 6, 7, 2, 1, 11, 3, 9]], dtype=np.int64)
     q = rng.standard_normal((4 * new, heads, dim), dtype=np.float32)
