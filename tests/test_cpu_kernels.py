@@ -87,6 +87,20 @@ def test_rotary_cache_write_matches_apply_rotary_and_scatter(kernels):
     np.testing.assert_array_equal(v_cache.numpy()[rows.numpy()], v.reshape([-1, dim]).numpy())
 
 
+def test_a_position_past_the_rotary_table_is_refused_not_read(kernels):
+    """The C rotary indexes its table without bounds checks, so the layer checks the pass first."""
+    from fastdeploy_lp import FDConfig
+    from fastdeploy_lp.model import AttentionBatch, load_model
+    model = load_model(FDConfig.create(device="cpu").model_config, max_positions=32)
+    cfg = model.config
+    shape = [4 * cfg.num_key_value_heads * 16, cfg.head_dim]
+    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in model.layers]
+    batch = AttentionBatch.paged([([1, 2, 3], 40, 1)], 16, cfg.num_key_value_heads,
+                                 cfg.num_attention_heads // cfg.num_key_value_heads)
+    with paddle.no_grad(), pytest.raises(ValueError, match="position 40 outside the rotary table"):
+        model(paddle.to_tensor([5], dtype="int64"), batch, caches)
+
+
 def reference_attention(q, k_cache, v_cache, tables, lens, new, block_size, scale):
     """numpy: gather each sequence's keys block by block; its j-th new token attends to keys
     [0, len - new + j], softmax(q k^T * scale) v per head."""

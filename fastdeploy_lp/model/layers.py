@@ -308,8 +308,9 @@ class Attention(nn.Layer):
     def _rotate_and_store(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary, kv_cache):
         """The CPU kernel path of rotary and the cache write: one call instead of a split, three
         reshapes, eight rotary ops and two scatters. Returns the rotated queries `[T, H, D]`."""
-        if batch.max_position is None or batch.max_position >= rotary.cos.shape[0]:
-            raise ValueError(f"position {batch.max_position} outside the rotary table ({rotary.cos.shape[0]} positions)")
+        table = rotary.cos.shape[0]
+        if batch.max_position is None or batch.max_position >= table:
+            raise ValueError(f"position {batch.max_position} outside the rotary table ({table} positions)")
         qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
         _zero_fresh_blocks(batch, kv_cache)
         kernels.rotary_cache_write(qkv, rotary.cos, rotary.sin, batch.positions, batch.write_rows, *kv_cache,
