@@ -26,7 +26,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])
-@pytest.mark.parametrize("k", [64, 903])  # 903: a tail shorter than one vector
+@pytest.mark.parametrize("k", [64, 100, 903])  # 100, 903: tails of 2 vectors + 4 and of 7 floats
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_paddle(kernels, rows, k, with_bias):
     rng = np.random.default_rng(rows * k)

@@ -23,7 +23,7 @@ from .activations import activation
 
 
 _FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
-KERNEL_ROWS = 32  # from 2 up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
+KERNEL_ROWS = 32  # up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
 
 
 def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
@@ -36,20 +36,19 @@ def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """`x @ weight^T + bias` for a weight in Hugging Face's `[out, in]` layout.
 
-    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores):
-    one row is MKL's GEMV (73 ms); 2 to 32 rows go to `cpu_kernels.linear`, which reads the weight
-    once where MKL's GEMM reads it at half speed (8 rows: 89 vs 154 ms; 32 rows: 193 vs 195, and
-    no transpose); up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
-    `x @ weight^T`, transposed back by the kernels. Many rows (prefill) and other devices get the
-    plain product.
+    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores): up to 32
+    rows go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads it at half
+    speed (8 rows: 89 vs 154 ms; 32 rows: 193 vs 195, and no transpose; 1 row: 69 vs 73 for MKL's
+    GEMV); up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as `x @ weight^T`,
+    transposed back by the kernels. Many rows (prefill) and other devices get the plain product.
     """
     rows = x.shape[0]
-    kernels = kernels_for(x) if 1 < rows <= _FEW_ROWS else None
+    kernels = kernels_for(x) if rows <= _FEW_ROWS else None
     if kernels is not None and rows <= KERNEL_ROWS:
         return kernels.linear(x, weight, bias)
     if kernels is not None:  # a contiguous result: later ops copied the transposed view at ~1 GB/s
         out = kernels.transpose(paddle.matmul(weight, x, transpose_y=True))
-    elif 1 < rows <= _FEW_ROWS and x.place.is_cpu_place():
+    elif rows <= _FEW_ROWS and x.place.is_cpu_place():
         out = paddle.matmul(weight, x, transpose_y=True).T
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
