@@ -1,4 +1,5 @@
-/* CPU decode kernels: few-row linear layers and attention over the paged KV cache.
+/* CPU kernels for the forward pass: linear layers over up to 32 rows, causal attention over the
+ * paged KV cache, rotary with the cache write, swiglu, argmax and transpose.
  *
  * Built at first use by `cpu_kernels/__init__.py` with the host's vector ISA (-march=native) and
  * Paddle's own OpenMP runtime, so these loops share one thread pool with Paddle's MKL kernels.
@@ -8,7 +9,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned access */
