@@ -10,6 +10,7 @@ from conftest import fixture_dir, load_reference
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.processors.tensor_ops import add_at
 
 V = 12
 
@@ -168,3 +169,13 @@ def test_bad_requests_name_the_field_and_queue_nothing(llm, prompts):
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="^bogus:"):
         LLM(fixture_dir("qwen2"), bogus=1)
+
+
+def test_repeated_pairs_add_up_exactly_on_every_core():
+    """Penalty counts add one per appended token, and fast-forward can append the same token
+    several times in a step. Paddle's CPU accumulating index_put_ lost some of those adds."""
+    paddle.base.core.set_num_threads(2)
+    for _ in range(20):
+        counts = paddle.zeros([4, 100])
+        add_at(counts, [1] * 1000 + [3], [7] * 1000 + [2], [1.0] * 1000 + [0.5])
+        assert float(counts[1, 7]) == 1000 and float(counts[3, 2]) == 0.5 and float(counts.sum()) == 1000.5
