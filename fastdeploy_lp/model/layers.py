@@ -157,9 +157,9 @@ class SequenceGroup:
         return [self._chunk(lens, a, min(a + step, self.new)) for a in range(0, self.new, step)]
 
     @cached_property
-    def kernel_inputs(self) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Block tables and lengths as tensors, for `cpu_kernels.paged_attention`."""
-        return paddle.to_tensor(self.tables), paddle.to_tensor(np.asarray(self.lens, dtype=np.int64))
+    def kernel_inputs(self) -> tuple[paddle.Tensor, paddle.Tensor, int]:
+        """Block tables and lengths as tensors, and the longest length, for `cpu_kernels.paged_attention`."""
+        return paddle.to_tensor(self.tables), paddle.to_tensor(np.asarray(self.lens, dtype=np.int64)), max(self.lens)
 
     def _chunk(self, lens: np.ndarray, a: int, b: int) -> "QueryChunk":
         """Queries `[a, b)` of each sequence: which cache rows they read, and their mask."""
@@ -340,8 +340,8 @@ class Attention(nn.Layer):
         [sequences, kv heads] on keys gathered block by block.
         """
         if kernels is not None:
-            tables, lens = group.kernel_inputs
-            return kernels.paged_attention(q, k_cache, v_cache, tables, lens, group.new, max(group.lens),
+            tables, lens, max_len = group.kernel_inputs
+            return kernels.paged_attention(q, k_cache, v_cache, tables, lens, group.new, max_len,
                                            self.num_kv_heads, group.block_size, self.scale)
         seqs, new = len(group.lens), group.new
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
