@@ -143,10 +143,16 @@ def time_pipeline(pipeline, share, rng, logits, steps, warmup=2) -> list[float]:
 
 
 def time_forward(fd_config, batch, context, steps) -> list[float] | None:
-    from fastdeploy_lp.engine.runner import ModelRunner, SlotFeed
+    from fastdeploy_lp.engine.runner import ModelRunner, SequenceFeed
 
     runner = ModelRunner(fd_config)
-    feeds = [SlotFeed(slot, [1 + slot], context) for slot in range(batch)]
+    per_seq = context // runner.block_size + 1  # blocks holding positions 0..context
+    if batch * per_seq >= runner.num_blocks:
+        raise SystemExit(f"{batch} x {context + 1} tokens need {batch * per_seq} KV blocks; the pool has "
+                         f"{runner.num_blocks - 1}")
+    # Distinct blocks per sequence (block 0 is the null block); their contents do not matter for timing.
+    feeds = [SequenceFeed(list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)), [1 + s], context)
+             for s in range(batch)]
     times = []
     for i in range(steps + 1):
         sync()

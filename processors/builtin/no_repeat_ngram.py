@@ -11,8 +11,8 @@ n-1 of an earlier n-gram. With n=1 every token seen so far is banned.
 
 The histories live on the logits' device (`TokenHistory(device=True)`, one small upload a step);
 `apply` finds every earlier occurrence of each row's last n-1 tokens with n-1 shifted compares
-and masks the tokens that followed them through a per-row boolean mask (idempotent writes, so
-repeated tokens cannot race), with no host round trip. Rows are grouped by n (a loop over distinct sizes only).
+and masks the tokens that followed them with one accumulating indexed add (`-inf` where matched,
+0 elsewhere; `add_at`). Rows are grouped by n (a loop over distinct sizes only).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from ..base import AddedRequest, LogitsProcessor, ShareInputs
 from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import index_tensor
+from ..tensor_ops import add_at, index_tensor
 from ..token_history import TokenHistory
 
 
@@ -106,16 +106,7 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
                 for j in range(n - 1):
                     hit = hit & (history[:, j:j + windows] == last[:, j:j + 1])
             banned = paddle.clip(history[:, n - 1:n - 1 + windows], min=0)                 # token after each prefix
-            # Mark the banned tokens in a [R, vocab + 1] mask, misses in the spare last column. Every
-            # write stores the same True, so repeated tokens are harmless: an accumulating
-            # index_put_ of -inf and 0 (Paddle's CPU kernel adds repeated indices from several
-            # threads without atomics) lost the -inf in 37 of 200 trials.
-            vocab = logits.shape[-1]
-            target = paddle.where(hit, banned, paddle.full_like(banned, vocab))
-            local = paddle.arange(len(slots), dtype="int64").unsqueeze(1).expand(banned.shape)
-            mask = paddle.zeros([len(slots), vocab + 1], dtype="bool")
-            mask.index_put_((local.flatten(), target.flatten()), paddle.ones([1], dtype="bool"))
-            rows = paddle.where(mask[:, :vocab], paddle.full([1], float("-inf"), logits.dtype),
-                                paddle.index_select(logits, rows_t))
-            logits.scatter_(rows_t, rows, overwrite=True)
+            penalty = paddle.where(hit, paddle.full([1], float("-inf"), logits.dtype),
+                                   paddle.zeros([1], logits.dtype))
+            add_at(logits, rows_t.unsqueeze(1).expand(banned.shape).flatten(), banned.flatten(), penalty.flatten())
         return logits
