@@ -4,6 +4,11 @@ It validates request args against the registered processors, calls `update_state
 forward pass and `apply` after it in registration order, times both per processor, and isolates
 failures: a processor that raises fails only the requests that enabled it.
 
+Processors never see the engine's `ShareInputs`: each gets its own step view (`step_view.py`), and
+what it appends to that view's `forced_tokens` is its result, checked (`ForcedTokens`) before it is
+added to the engine's queues. A processor whose result breaks the contract fails like one that
+raised, and none of its tokens are used.
+
 Request-level `SamplingParams.logit_bias` and `bad_words` run through the same built-in processors
 as `logits_processors_args`, in a second stage the engine applies after the penalties (where the
 sampler order puts them), whether or not the operator registered those processors by name. That
@@ -23,6 +28,7 @@ from pydantic import ValidationError
 
 from .base import LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs, active_slots
 from .registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
+from .step_view import ForcedTokens, ForcedTokensError, ReadOnlyArgs, StepView
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +55,14 @@ class LogitsProcessorPipeline:
 
     def __init__(self, fd_config, names: list[str], leading: list[LogitsProcessor] | None = None):
         self.fd_config = fd_config
-        timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
         processors = list(leading or []) + [cls(fd_config) for cls in resolve_processors(names)]
-        self.registered = _Stage(processors, [type(p).__name__ for p in processors], timeout_s)
+        self.registered = _Stage(processors, [type(p).__name__ for p in processors], fd_config)
         stage = resolve_processors(list(SAMPLING_PARAMS_PROCESSORS.values()))
         names = [f"{name}(SamplingParams.{field})" for field, name in SAMPLING_PARAMS_PROCESSORS.items()]
-        self.sampling_stage = _Stage([cls(fd_config) for cls in stage], names, timeout_s)
+        self.sampling_stage = _Stage([cls(fd_config) for cls in stage], names, fd_config)
         self._open = any(type(p).declared_keys() is None for p in processors)
-        self._sampling_args: list[LogitsProcessorArgs] = []  # per slot: its SamplingParams fields as args
+        self._view = StepView()
+        self._sampling_args: list[ReadOnlyArgs] = []  # per slot: its SamplingParams fields as args
         self._sampling_admissions = np.zeros(0, dtype=np.int64)  # ... of the admission they were read for
 
     @property
@@ -82,26 +88,26 @@ class LogitsProcessorPipeline:
         return any(type(p).serves_guided_decoding for p in self.processors)
 
     # -- admission ------------------------------------------------------------------------------
-    def validate(self, params) -> LogitsProcessorArgs:
+    def validate(self, params) -> ReadOnlyArgs:
         """Validate a request for every processor; return its normalised args."""
         args = self.validate_args(params.logits_processors_args)
         for p in self.processors:
             p.validate_request(params)
         return args
 
-    def validate_args(self, args: dict | None) -> LogitsProcessorArgs:
+    def validate_args(self, args: dict | None) -> ReadOnlyArgs:
         """Check one request's `logits_processors_args`; return them normalised by the processors' models.
 
         A key that no registered processor declares is an error, unless a registered processor
         does not declare its keys (FastDeploy-style processors read whatever they like).
         """
         if args is None:
-            return LogitsProcessorArgs()
+            return ReadOnlyArgs()
         if not isinstance(args, dict):
             raise ValueError(f"logits_processors_args: must be a JSON object, got {type(args).__name__}")
         registered = ", ".join(self.names) or "none"
         claimed: set[str] = set()
-        out = LogitsProcessorArgs(args)
+        out = dict(args)
         for i, p in enumerate(self.processors):
             keys = type(p).declared_keys()
             if keys is None:
@@ -122,14 +128,19 @@ class LogitsProcessorPipeline:
         if unknown and not self._open:
             raise ValueError(f"logits_processors_args.{unknown[0]}: no registered logits processor reads this "
                              f"key; registered processors: {registered}")
-        return out
+        return ReadOnlyArgs(out)
 
     # -- each step ------------------------------------------------------------------------------
     def update_state(self, share_inputs: ShareInputs) -> dict[int, str]:
-        """Run every `update_state` (both stages); return {slot: error message} for requests to fail."""
+        """Run every `update_state` (both stages) on step views of the engine's `share_inputs`, and
+        add the forced tokens that pass the checks to its `forced_tokens` queues; return
+        {slot: error message} for requests to fail."""
         failures: dict[int, str] = {}
-        self.registered.update_state(share_inputs, failures)
-        self.sampling_stage.update_state(self._sampling_view(share_inputs), failures)
+        view = self._view.build(share_inputs)
+        self.registered.update_state(share_inputs, view, failures)
+        sampling = self._sampling_view(share_inputs)
+        self.sampling_stage.update_state(sampling, {**view, "logits_processors_args": tuple(self._sampling_args)},
+                                         failures)
         return failures
 
     def apply(self, logits: paddle.Tensor, share_inputs: ShareInputs,
@@ -151,12 +162,12 @@ class LogitsProcessorPipeline:
         `SamplingParams` fields that the stage applies, read once per admission."""
         admissions = np.asarray(share_inputs["admission_ids"], dtype=np.int64)
         if len(self._sampling_admissions) != len(admissions):
-            self._sampling_args = [LogitsProcessorArgs() for _ in admissions]
+            self._sampling_args = [ReadOnlyArgs() for _ in admissions]
             self._sampling_admissions = np.full(len(admissions), -2, dtype=np.int64)
         for slot in np.flatnonzero(admissions != self._sampling_admissions):
             params = share_inputs["sampling_params"][slot]
             values = {f: getattr(params, f, None) for f in SAMPLING_PARAMS_PROCESSORS}
-            self._sampling_args[slot] = LogitsProcessorArgs({k: v for k, v in values.items() if v is not None})
+            self._sampling_args[slot] = ReadOnlyArgs({k: v for k, v in values.items() if v is not None})
             self._sampling_admissions[slot] = admissions[slot]
         return {**share_inputs, "logits_processors_args": self._sampling_args}
 
@@ -164,29 +175,58 @@ class LogitsProcessorPipeline:
 class _Stage:
     """Processors that run together, in order: their calls, timings, time limit and failure isolation."""
 
-    def __init__(self, processors: list[LogitsProcessor], names: list[str], timeout_s: float | None):
+    def __init__(self, processors: list[LogitsProcessor], names: list[str], fd_config):
         self.processors = processors
         self.names = names
         self.timings = {name: ProcessorTiming() for name in names}
-        self.timeout_s = timeout_s
+        self.timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        self.max_forced = fd_config.max_model_len  # no request can take more tokens than this
+        tokenizer_vocab = getattr(fd_config.tokenizer, "vocab_size", None)
+        # Checkpoints may pad the embedding past the tokenizer: those ids are no tokens.
+        self.vocab_size = min(fd_config.model_config.vocab_size, tokenizer_vocab or fd_config.model_config.vocab_size)
         self._enabled: list[bool] = [False] * len(processors)
         self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
 
-    def update_state(self, share_inputs: ShareInputs, failures: dict[int, str]) -> None:
+    def update_state(self, share_inputs: ShareInputs, view: dict, failures: dict[int, str]) -> None:
+        """Each processor's `update_state` on its own copy of `view`; its forced tokens, once
+        checked, join `share_inputs["forced_tokens"]` (where the next processor sees them)."""
         rows = _active_rows(share_inputs)
+        queues = share_inputs["forced_tokens"]
         for i, p in enumerate(self.processors):
-            self._enabled[i] = any(type(p).is_enabled_by(a, sp) for _, a, sp in rows)
+            enabled = {slot for slot, a, sp in rows if type(p).is_enabled_by(a, sp)}
+            self._enabled[i] = bool(enabled)
+            mine = StepView.for_processor(view, queues)
+            published = mine["forced_tokens"]  # read from here: the processor may drop the key
             start = time.perf_counter()
             try:
-                p.update_state(share_inputs)
+                p.update_state(mine)
+                error = None
             except BaseException as e:
                 if not _raised(e):
                     raise
+                error = e
+            for e in self._take_forced(i, error, published, enabled, queues):
                 self._record_failure(i, e, rows, failures)
             elapsed = time.perf_counter() - start
             self.timings[self.names[i]].update_state_seconds += elapsed
             self._step_seconds[i] = elapsed
             self._check_time(i, rows, failures)
+
+    def _take_forced(self, i, error, published, enabled: set[int], queues) -> list[BaseException]:
+        """Queue processor i's forced tokens if its result passes the checks; return its failures.
+
+        A processor that failed as a whole publishes nothing. One that failed only some requests
+        (`RequestFailures`) still publishes for its other requests: it may already count on them."""
+        failed = set(error.failures) if isinstance(error, RequestFailures) else None
+        if error is not None and (failed is None or not failed <= enabled):
+            return [error]
+        try:
+            result = ForcedTokens.read(self.names[i], queues, published).without(failed or set())
+            result.check(enabled - (failed or set()), self.vocab_size, queues, self.max_forced)
+        except ForcedTokensError as e:
+            return [x for x in (error, e) if x is not None]
+        result.append_to(queues)
+        return [] if error is None else [error]
 
     def apply(self, logits: paddle.Tensor, share_inputs: ShareInputs, all_greedy: bool,
               failures: dict[int, str]) -> paddle.Tensor:

@@ -201,10 +201,7 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = engine.step()
-            except Exception as e:  # a bug below the request isolation: fail that batch, keep serving
-                logger.exception("engine step failed; failing the requests it was running")
-                outputs = engine.fail_running(e)
+                outputs = engine.step()  # fails the batch, not the engine, on any Exception
             except BaseException as e:  # KeyboardInterrupt and the like: stop serving, say why
                 logger.exception("engine step failed; the engine stops serving")
                 self.error = e

@@ -7,7 +7,9 @@ forward pass over every active slot (prompts of new slots, the last token of run
 detokenize, check stops, free finished slots.
 
 `add_request` and `abort_request` may be called from any thread (the server's event loop);
-`step` runs on one engine thread.
+`step` runs on one engine thread. A step never raises an `Exception`: what no request's isolation
+caught fails the requests the step was running (`fail_running`), and the next step starts clean.
+`last_progress` tells a watchdog when the engine last computed a token or finished a request.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LLMEngine:
         self._pending = 0
         self._lock = threading.Lock()
         self.num_steps = 0
+        self.last_progress = time.monotonic()  # last time a step computed tokens or finished a request
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -118,6 +121,8 @@ class LLMEngine:
         for r in requests:
             self._incoming.put(r)
         with self._lock:
+            if self._pending == 0:  # idle until now: time without progress counts from here
+                self.last_progress = time.monotonic()
             self._pending += len(requests)
 
     def _check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -148,6 +153,13 @@ class LLMEngine:
         """Cancel a request (and its `n` siblings); its slot is freed at the next step."""
         self._aborts.put(request_id)
 
+    def abort_now(self, request_ids: list[str]) -> None:
+        """Cancel requests at once, on the thread that runs the steps (offline, when `generate`
+        is interrupted): their slots and blocks are free before this returns."""
+        for request_id in request_ids:
+            self._aborts.put(request_id)
+        self._drain_inbox([])
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self._pending > 0
@@ -165,6 +177,14 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step; the outputs of every request it touched."""
+        try:
+            return self._step()
+        except Exception as e:  # a bug below the request isolation: fail that batch, keep serving
+            logger.exception("engine step failed; failing the requests it was running")
+            return self.fail_running(e)
+
+    def _step(self) -> list[RequestOutput]:
         finished: list[Request] = []
         self._drain_inbox(finished)
         chunks = self._schedule_prompts(finished)
@@ -251,6 +271,7 @@ class LLMEngine:
         logits = self.runner.forward(feeds, self.block_pool.take_fresh())
         for feed, request in zip(feeds, running + [c.request for c in chunks]):
             self.scheduler.commit(request, len(feed.tokens))
+        self.last_progress = time.monotonic()
         if not running:
             return
         if self.tokenizer.vocab_size < logits.shape[-1]:
@@ -304,6 +325,7 @@ class LLMEngine:
         finished.append(request)
         with self._lock:
             self._pending -= 1
+        self.last_progress = time.monotonic()
 
     def _drain_inbox(self, finished: list[Request]) -> None:
         # Aborts first: a request is queued before its abort can be sent, so every abort read here

@@ -137,11 +137,18 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = [r for prompt, p in zip(prompts, params)
                     for r in self.engine.make_requests(prompt, p, add_special_tokens=add_special_tokens)]
-        runner = self.engine.runner
-        if runner.failure is not None:
-            raise RuntimeError(runner.failure)
+        if self.engine.runner.failure is not None:
+            raise RuntimeError(self.engine.runner.failure)
         self.engine.enqueue(requests)
-        order = [r.request_id for r in requests]
+        try:
+            return self._collect([r.request_id for r in requests], use_tqdm)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: this call's requests must not run on into the next call.
+            self.engine.abort_now([r.request_id for r in requests])
+            raise
+
+    def _collect(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        runner = self.engine.runner
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():

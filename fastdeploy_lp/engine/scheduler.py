@@ -218,7 +218,8 @@ class SlotScheduler:
         s["stop_flags"][slot] = False
         s["req_ids"][slot] = request.request_id
         s["logits_processors_args"][slot] = request.args
-        s["prompt_ids"][slot] = np.asarray(request.prompt_ids, dtype=np.int64)
+        s["prompt_ids"][slot] = np.array(request.prompt_ids, dtype=np.int64)
+        s["prompt_ids"][slot].flags.writeable = False  # processors share it
         s["prompt_lens"][slot] = len(request.prompt_ids)
         s["output_ids"][slot] = request.output_ids
         s["step_idx"][slot] = len(request.output_ids)
