@@ -1,5 +1,6 @@
 """The C decode kernels (`fastdeploy_lp.model.cpu_kernels`) against Paddle and numpy references,
-and the engine's fallback to Paddle's kernels when they are off or cannot be built."""
+for every vector width this CPU can execute (AVX-512, AVX2 and portable builds of one source), and
+the engine's fallback to Paddle's kernels when they are off or cannot be built."""
 
 from __future__ import annotations
 
@@ -12,17 +13,23 @@ import paddle
 import pytest
 
 from fastdeploy_lp import LLM, SamplingParams
-from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model import cpu_features, cpu_kernels
 
 paddle.set_device("cpu")
 
+# Every build this CPU can run: its own and the narrower ones (AVX-512 hosts run the AVX2 build too).
+RUNNABLE = {"avx512": ["avx512", "avx2", "portable"], "avx2": ["avx2", "portable"],
+            "portable": ["portable"]}[cpu_features.detect().isa]
+LANES = {"avx512": 16, "avx2": 8, "portable": 4}
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = cpu_kernels.load()
-    if loaded is None:
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def kernels(request):
+    if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
-    return loaded
+    built = cpu_kernels.CpuKernels(cpu_kernels.build(request.param))
+    assert built.lanes == LANES[request.param]
+    return built
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])
@@ -87,10 +94,11 @@ def test_rotary_cache_write_matches_apply_rotary_and_scatter(kernels):
     np.testing.assert_array_equal(v_cache.numpy()[rows.numpy()], v.reshape([-1, dim]).numpy())
 
 
-def test_a_position_past_the_rotary_table_is_refused_not_read(kernels):
+def test_a_position_past_the_rotary_table_is_refused_not_read(kernels, monkeypatch):
     """The C rotary indexes its table without bounds checks, so the layer checks the pass first."""
     from fastdeploy_lp import FDConfig
     from fastdeploy_lp.model import AttentionBatch, load_model
+    monkeypatch.setattr(cpu_kernels, "_mode", "1")
     model = load_model(FDConfig.create(device="cpu").model_config, max_positions=32)
     cfg = model.config
     shape = [4 * cfg.num_key_value_heads * 16, cfg.head_dim]
@@ -137,17 +145,19 @@ def test_paged_attention_matches_a_gather_reference(kernels, heads, kv_heads, di
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_tokens_and_logprobs_are_the_same_with_the_kernels_off(kernels, monkeypatch):
+def test_greedy_tokens_and_logprobs_are_the_same_with_the_kernels_on_off_and_auto(monkeypatch):
     llm = LLM(max_num_seqs=4, device="cpu")
     prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "def main("]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    on = llm.generate(prompts, params)
-    monkeypatch.setattr(cpu_kernels, "_loaded", None)
-    off = llm.generate(prompts, params)
-    for a, b in zip(on, off):
-        assert list(a.outputs.token_ids) == list(b.outputs.token_ids)
-        np.testing.assert_allclose([p.logprob for p in a.outputs.logprobs], [p.logprob for p in b.outputs.logprobs],
-                                   atol=1e-4)
+    runs = {}
+    for mode in ("1", "0", "auto"):
+        monkeypatch.setattr(cpu_kernels, "_mode", mode)
+        runs[mode] = llm.generate(prompts, params, use_tqdm=False)
+    for mode in ("0", "auto"):
+        for a, b in zip(runs["1"], runs[mode]):
+            assert list(a.outputs.token_ids) == list(b.outputs.token_ids)
+            np.testing.assert_allclose([p.logprob for p in a.outputs.logprobs],
+                                       [p.logprob for p in b.outputs.logprobs], atol=1e-4)
 
 
 def serve_one(env: dict[str, str]) -> subprocess.CompletedProcess:

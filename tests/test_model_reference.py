@@ -35,13 +35,12 @@ def test_logits_match_transformers_at_every_position(name):
         np.testing.assert_allclose(logits, ref[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kernels", ["cpu_kernels", "paddle"])
+@pytest.mark.parametrize("kernels", ["1", "0"])
 @pytest.mark.parametrize("name", MODELS)
 def test_cached_decode_logits_match_transformers(name, kernels, monkeypatch):
     """Prefill half the prompt into scattered cache blocks, then feed the rest one token per pass
-    (with the C decode kernels where they build, and with Paddle's, which other devices use)."""
-    if kernels == "paddle":
-        monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    (with every C kernel where they build, and with Paddle's ops only, which other devices use)."""
+    monkeypatch.setattr(cpu_kernels, "_mode", kernels)
     model = _model(fixture_dir(name))
     inputs, ref = load_reference(name)
     ids = inputs[0]

@@ -16,7 +16,7 @@ import paddle
 
 from ..config import FDConfig
 from ..distributed.shard import TensorShard
-from ..model import AttentionBatch, cpu_kernels, load_model
+from ..model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -53,32 +53,23 @@ def tune_cpu_math() -> str:
 
     On a non-Intel CPU that MKL takes a generic code path: float32 GEMM ran at ~75 GFLOP/s on these
     AMD EPYC machines against ~180 with `MKL_DEBUG_CPU_TYPE=5`, which MKL reads at its first call
-    (setting it in-process works as long as no matmul ran before). A value the user set is left
-    alone. Returns the path taken, logged once per process.
+    (setting it in-process works as long as no matmul ran before). Only where this process can run
+    AVX2 and FMA (the value forces those kernels). A value the user set is left alone. Returns the
+    path taken, logged once per process.
     """
     global _cpu_math_logged
+    cpu = cpu_features.detect()
     if os.environ.get(MKL_CPU_TYPE) is not None:
         path = f"{MKL_CPU_TYPE}={os.environ[MKL_CPU_TYPE]} as set by the user"
-    elif cpu_vendor() == "AuthenticAMD":
+    elif cpu.vendor == "AuthenticAMD" and cpu.isa != "portable":
         os.environ[MKL_CPU_TYPE] = "5"
         path = f"AMD CPU: {MKL_CPU_TYPE}=5, MKL's AVX2 kernels"
     else:
-        path = f"{cpu_vendor() or 'unknown'} CPU: MKL's own dispatch"
+        path = f"{cpu.vendor or 'unknown'} CPU: MKL's own dispatch"
     if not _cpu_math_logged:
         _cpu_math_logged = True
-        logger.info("CPU math: %s", path)
+        logger.info("CPU math: %s; %s", cpu.describe(), path)
     return path
-
-
-def cpu_vendor() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
@@ -155,6 +146,7 @@ class ModelRunner:
         for pair in self.kv_caches:
             for c in pair:
                 c[:null_rows] = 0
+        cpu_dispatch.prepare(self.model, self.block_size)
 
     @paddle.no_grad()
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:

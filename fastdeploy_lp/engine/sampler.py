@@ -100,7 +100,7 @@ class Sampler:
 
     def _sample(self, logits, requests, greedy, uniforms):
         logits = self._apply_min_tokens(logits.astype("float32"), requests)
-        kernels = kernels_for(logits)
+        kernels = kernels_for(logits, "argmax", logits.shape[0])
         argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
         if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
             self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")

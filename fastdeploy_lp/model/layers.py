@@ -18,38 +18,40 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from ..config import ModelConfig
 from ..distributed.shard import TensorShard
-from . import cpu_kernels
+from . import cpu_features, cpu_kernels
 from .activations import activation
 
 
 _FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
-KERNEL_ROWS = 32  # up to this many tokens, `cpu_kernels.linear` beats MKL on float32 CPU tensors
+# Paddle's CPU fused_rms_norm is built for AVX-512 and does not check: elsewhere it dies with SIGILL.
+_FUSED_RMS_NORM_ON_CPU = cpu_features.detect().has_avx512f
 
 
-def kernels_for(x: paddle.Tensor) -> cpu_kernels.CpuKernels | None:
-    """The CPU decode kernels when `x` is a float32 CPU tensor and they are available, else None."""
+def kernels_for(x: paddle.Tensor, op: str, rows: int) -> cpu_kernels.CpuKernels | None:
+    """The CPU kernels when `x` is a float32 CPU tensor and they run `op` over `rows` rows here
+    (`cpu_kernels.for_op`: measured faster than Paddle's op, or forced on), else None."""
     if x.dtype != paddle.float32 or not x.place.is_cpu_place():
         return None
-    return cpu_kernels.load()
+    return cpu_kernels.for_op(op, rows)
 
 
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """`x @ weight^T + bias` for a weight in Hugging Face's `[out, in]` layout.
 
-    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores): up to 32
-    rows go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads it at half
-    speed (8 rows: 89 vs 154 ms; 32 rows: 193 vs 195, and no transpose; 1 row: 69 vs 73 for MKL's
-    GEMV); up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as `x @ weight^T`,
-    transposed back by the kernels. Many rows (prefill) and other devices get the plain product.
+    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores, AVX-512):
+    up to 32 rows may go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads
+    it at half speed (8 rows: 77 vs 124 ms); `cpu_dispatch` keeps it per row bucket where it was
+    measured faster. Up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
+    `x @ weight^T`. Many rows (prefill) and other devices get the plain product.
     """
     rows = x.shape[0]
-    kernels = kernels_for(x) if rows <= _FEW_ROWS else None
-    if kernels is not None and rows <= KERNEL_ROWS:
+    if rows <= cpu_kernels.KERNEL_ROWS and (kernels := kernels_for(x, "linear", rows)) is not None:
         return kernels.linear(x, weight, bias)
-    if kernels is not None:  # a contiguous result: later ops copied the transposed view at ~1 GB/s
-        out = kernels.transpose(paddle.matmul(weight, x, transpose_y=True))
-    elif rows <= _FEW_ROWS and x.place.is_cpu_place():
-        out = paddle.matmul(weight, x, transpose_y=True).T
+    if rows <= _FEW_ROWS and x.place.is_cpu_place():
+        out = paddle.matmul(weight, x, transpose_y=True)
+        # A contiguous result: later ops copied the transposed view at ~1 GB/s.
+        kernels = kernels_for(x, "transpose", rows)
+        out = out.T if kernels is None else kernels.transpose(out)
     else:
         out = paddle.matmul(x, weight, transpose_y=True)
     return out if bias is None else out + bias
@@ -62,7 +64,8 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if x.dtype == paddle.float32 and not paddle.is_grad_enabled():
+        if (x.dtype == paddle.float32 and not paddle.is_grad_enabled()
+                and (_FUSED_RMS_NORM_ON_CPU or not x.place.is_cpu_place())):
             # One kernel instead of six: 6.5x faster on CPU for a [4096, 896] prefill, same values
             # within 4e-6. Inference only (training needs its gradient).
             return fused_rms_norm(x, self.weight, None, self.eps, x.ndim - 1)[0]
@@ -284,29 +287,39 @@ class Attention(nn.Layer):
     def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
         # x: [tokens, hidden] (the batch is flattened to tokens)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        kernels = kernels_for(qkv) if kv_cache is not None and self.q_norm is None else None
+        if kv_cache is None:
+            return self._project(self._causal(*self._rotated(qkv, batch, rotary)))
+        kernels = kernels_for(qkv, "rotary", qkv.shape[0]) if self.q_norm is None else None
         if kernels is not None:
-            q = self._rotate_and_store(kernels, qkv, batch, rotary, kv_cache)
+            q = self.rotate_and_store_kernel(kernels, qkv, batch, rotary, kv_cache)
         else:
-            q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
-            q = q.reshape([-1, self.num_heads, self.head_dim])
-            k = k.reshape([-1, self.num_kv_heads, self.head_dim])
-            v = v.reshape([-1, self.num_kv_heads, self.head_dim])
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            cos, sin = batch.rotary_tables(rotary, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if kv_cache is None:
-                return self._project(self._causal(q, k, v))
-            _zero_fresh_blocks(batch, kv_cache)
-            kv_cache[0].scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
-            kv_cache[1].scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
-        outs = [self._cached(q[g.start:g.end], g, *kv_cache, kernels) for g in batch.groups]
+            q = self.rotate_and_store(qkv, batch, rotary, kv_cache)
+        outs = [self._cached(q[g.start:g.end], g, *kv_cache) for g in batch.groups]
         return self._project(outs[0] if len(outs) == 1 else paddle.concat(outs))
 
-    def _rotate_and_store(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary, kv_cache):
-        """The CPU kernel path of rotary and the cache write: one call instead of a split, three
-        reshapes, eight rotary ops and two scatters. Returns the rotated queries `[T, H, D]`."""
+    def _rotated(self, qkv, batch: AttentionBatch, rotary: RotaryEmbedding):
+        """q, k (normed if the model norms them, rotated) and v as `[T, heads, D]`."""
+        q, k, v = paddle.split(qkv, [self.q_size, self.kv_size, self.kv_size], axis=-1)
+        q = q.reshape([-1, self.num_heads, self.head_dim])
+        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
+        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = batch.rotary_tables(rotary, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def rotate_and_store(self, qkv, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache) -> paddle.Tensor:
+        """Rotary and the cache write in Paddle's ops. Returns the rotated queries `[T, H, D]`."""
+        q, k, v = self._rotated(qkv, batch, rotary)
+        _zero_fresh_blocks(batch, kv_cache)
+        kv_cache[0].scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
+        kv_cache[1].scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
+        return q
+
+    def rotate_and_store_kernel(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary,
+                                kv_cache) -> paddle.Tensor:
+        """`rotate_and_store` in one CPU kernel call instead of a split, three reshapes, eight rotary
+        ops and two scatters (no q/k norm)."""
         table = rotary.cos.shape[0]
         if batch.max_position is None or batch.max_position >= table:
             raise ValueError(f"position {batch.max_position} outside the rotary table ({table} positions)")
@@ -332,17 +345,20 @@ class Attention(nn.Layer):
         group = self.num_heads // self.num_kv_heads
         return x if group == 1 else paddle.repeat_interleave(x, group, axis=1)
 
-    def _cached(self, q, group: SequenceGroup, k_cache, v_cache, kernels: cpu_kernels.CpuKernels | None = None):
-        """Attention of new tokens over their sequences' cached keys (prefill chunks or batched decode).
-
-        With the CPU kernels: one call that reads the blocks in place. Otherwise heads sharing a KV
-        head are folded into the query-length axis, so each product is one batched matmul over
-        [sequences, kv heads] on keys gathered block by block.
-        """
+    def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
+        """Attention of new tokens over their sequences' cached keys (prefill chunks or batched
+        decode): the CPU kernel, which reads the blocks in place, where it was measured faster."""
+        kernels = kernels_for(q, "attention", 1 if group.new == 1 else _FEW_ROWS)
         if kernels is not None:
             tables, lens, max_len = group.kernel_inputs
             return kernels.paged_attention(q, k_cache, v_cache, tables, lens, group.new, max_len,
                                            self.num_kv_heads, group.block_size, self.scale)
+        return self.gathered_attention(q, group, k_cache, v_cache)
+
+    def gathered_attention(self, q, group: SequenceGroup, k_cache, v_cache):
+        """`_cached` in Paddle's ops: heads sharing a KV head are folded into the query-length axis,
+        so each product is one batched matmul over [sequences, kv heads] on keys gathered block by
+        block."""
         seqs, new = len(group.lens), group.new
         hkv, per_kv, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Scale q, not the scores: they are span/dim times larger, and every pass over them counts.
@@ -386,7 +402,7 @@ class MLP(nn.Layer):
 
     def forward(self, x):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        if self.fused_swiglu and (kernels := kernels_for(gate_up)) is not None:
+        if self.fused_swiglu and (kernels := kernels_for(gate_up, "swiglu", gate_up.shape[0])) is not None:
             hidden = kernels.swiglu(gate_up)  # 25 vs 90 ms for Paddle's CPU swiglu on [4096, 2 x 4864]
         elif self.fused_swiglu:
             hidden = F.swiglu(gate_up)

@@ -6,18 +6,24 @@ so a batch-8 decode step spent ~145 ms in GEMMs whose weights a GEMV streams in 
 Paddle's CPU kernels around the GEMMs (swiglu, rotary, argmax, transposes, attention over gathered
 blocks) were single-threaded or scalar.
 
-* `linear`: `x @ W^T` for up to 12 rows, each weight row streamed once for all rows of x.
+* `linear`: `x @ W^T` for up to 32 rows, each weight row streamed once for all rows of x.
 * `paged_attention`: causal attention reading the KV blocks where they are, one call per layer
   (prefill chunks and decode), instead of a gather, two matmuls, a mask add and a softmax.
 * `rotary_cache_write`: rotary on q/k and the cache write, in place in the fused q/k/v rows.
 * `swiglu`, `argmax`, `transpose`: Paddle's ops, vectorised (exp) and on every core.
 
-The library is compiled once per source, compiler and CPU (`-O3 -march=native`) into
-`$XDG_CACHE_HOME/fastdeploy_lp` (default `~/.cache`) and linked against the OpenMP runtime next to
-Paddle (`libiomp5`), so its threads are MKL's threads; two runtimes spinning on two cores made a
-step several times slower. Without a C compiler, or with `FDLP_CPU_KERNELS=0`, `load()` returns
-None and the model uses Paddle's kernels. Numerics: float32 accumulation, only the summation
-order differs from MKL's.
+**Built for the CPU the process sees.** The vector ISA comes from `cpu_features.detect()` (CPUID in
+this process) and becomes the compile flags (`-mavx512f ...`, `-mavx2 -mfma -mf16c`, or none), so
+the library holds no instruction the CPU lacks, whatever CPU the compiler itself runs on. It is
+compiled once per source, compiler and flags into `$XDG_CACHE_HOME/fastdeploy_lp` (default
+`~/.cache`) and linked against the OpenMP runtime next to Paddle (`libiomp5`), so its threads are
+MKL's threads; two runtimes spinning on two cores made a step several times slower.
+
+**Used only where measured faster.** `FDLP_CPU_KERNELS` picks the mode: `auto` (the default) runs a
+kernel only for the ops and row buckets where `model.cpu_dispatch` timed it faster than the Paddle
+op it replaces on this machine and model (Paddle's path until then); `1` runs every kernel; `0`
+none. Without a C compiler `load()` returns None and the model uses Paddle's kernels. Numerics:
+float32 accumulation, only the summation order differs from MKL's.
 """
 
 from __future__ import annotations
@@ -33,12 +39,18 @@ from pathlib import Path
 
 import paddle
 
+from .. import cpu_features
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-SWITCH = "FDLP_CPU_KERNELS"  # "0" keeps Paddle's kernels
+SWITCH = "FDLP_CPU_KERNELS"
+MODES = ("auto", "0", "1")
 _threads = 1
 _loaded: CpuKernels | None | bool = False  # False: not tried yet
+_mode: str | None = None  # None: read FDLP_CPU_KERNELS at first use
+_off_logged = False
+_plan: dict[str, bool] = {}  # "op:bucket" -> the kernel won (auto mode), see `use_plan`
 
 
 def set_threads(threads: int) -> None:
@@ -47,11 +59,67 @@ def set_threads(threads: int) -> None:
     _threads = max(1, int(threads))
 
 
+def threads() -> int:
+    return _threads
+
+
+def mode() -> str:
+    """`auto` (default), `0` or `1` (see the module docstring): `set_mode`'s, else `FDLP_CPU_KERNELS`."""
+    if _mode is None:
+        set_mode(os.environ.get(SWITCH, "auto").strip().lower() or "auto")
+    return _mode
+
+
+def set_mode(value: str) -> None:
+    """Override `FDLP_CPU_KERNELS` in this process (tests and benchmarks compare the modes)."""
+    global _mode
+    if value not in MODES:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    _mode = value
+
+
+KERNEL_ROWS = 32  # up to this many rows of x `CpuKernels.linear` runs
+LINEAR_BUCKETS = ((1, "1"), (8, "2-8"), (16, "9-16"), (KERNEL_ROWS, "17-32"))
+
+
+def bucket(op: str, rows: int) -> str:
+    """The row bucket a choice is measured and kept for: linear layers by rows of x (1, 2-8, 9-16,
+    17-32: the weight-read-bound sizes), argmax as one (its cost and Paddle's both grow with the
+    rows), the others by decode (up to 32 rows) or prefill."""
+    if op == "argmax":
+        return "all"
+    if op == "linear":
+        return next((name for top, name in LINEAR_BUCKETS if rows <= top), "prefill")
+    return "decode" if rows <= KERNEL_ROWS else "prefill"
+
+
+def use_plan(plan: dict[str, bool]) -> None:
+    """Set the measured choices (`cpu_dispatch.prepare` does): `{"linear:2-8": True, ...}`."""
+    _plan.clear()
+    _plan.update(plan)
+
+
+def for_op(op: str, rows: int) -> CpuKernels | None:
+    """The kernels if they should run `op` over `rows` rows here, else None (use Paddle's op)."""
+    kernels = load()
+    if kernels is None:
+        return None
+    if mode() == "1":
+        return kernels
+    return kernels if _plan.get(f"{op}:{bucket(op, rows)}", False) else None
+
+
 class CpuKernels:
     """ctypes bindings of `kernels.c`, taking and returning float32 Paddle CPU tensors."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, path: Path):
+        library = ctypes.CDLL(str(path))
+        self.path = path
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.lanes = library.fdlp_lanes()  # floats per vector in this build
+        self._read_sum = library.fdlp_read_sum
+        self._read_sum.argtypes = [ptr, i64, c_int]
+        self._read_sum.restype = ctypes.c_double
         self._linear = library.fdlp_linear
         self._linear.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
         self._attention = library.fdlp_paged_attention
@@ -75,6 +143,12 @@ class CpuKernels:
         self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                      rows, n, k, _threads)
         return out
+
+    def read_sum(self, x: paddle.Tensor) -> float:
+        """The sum of a contiguous float32 tensor, read by every thread: the benchmarks time it as
+        the machine's memory read bandwidth."""
+        assert x.is_contiguous() and x.dtype == paddle.float32
+        return self._read_sum(x.data_ptr(), x.size, _threads)
 
     def argmax(self, x: paddle.Tensor) -> paddle.Tensor:
         """`paddle.argmax(x, axis=-1)` of a 2-D float32 tensor (first index of the largest value),
@@ -130,18 +204,21 @@ class CpuKernels:
 
 
 def load() -> CpuKernels | None:
-    """The kernels, built on first call; None where they cannot be (logged once)."""
-    global _loaded
+    """The kernels, built on first call; None where they cannot be or `FDLP_CPU_KERNELS=0` (logged once)."""
+    global _loaded, _off_logged
+    if mode() == "0":
+        if not _off_logged:
+            _off_logged = True
+            logger.info("CPU kernels: off (%s=0); Paddle's kernels", SWITCH)
+        return None
     if _loaded is False:
         _loaded = None
-        if os.environ.get(SWITCH, "1") == "0":
-            logger.info("CPU kernels: off (%s=0); Paddle's kernels", SWITCH)
-        else:
-            try:
-                _loaded = CpuKernels(ctypes.CDLL(str(_build())))
-                logger.info("CPU kernels: built-in linear, swiglu, rotary and paged attention")
-            except (OSError, subprocess.SubprocessError) as e:
-                logger.warning("CPU kernels unavailable (%s); using Paddle's kernels", e)
+        try:
+            _loaded = CpuKernels(build())
+            logger.info("CPU kernels: built for %s (%d floats per vector), mode %s",
+                        cpu_features.detect().describe(), _loaded.lanes, mode())
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.warning("CPU kernels unavailable (%s); using Paddle's kernels", e)
     return _loaded or None
 
 
@@ -153,14 +230,17 @@ def _openmp_flags() -> tuple[list[str], list[str]]:
     return ["-fopenmp", "-c"], ["-fopenmp"]
 
 
-def _build() -> Path:
+def build(isa: str | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """The compiled library for `isa` (default: this CPU's, `cpu_features.detect().isa`), built once
+    per source, compiler, flags and `defines` (extra `-D` options, for experiments), and cached."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     compile_flags, link_flags = _openmp_flags()
-    flags = ["-O3", "-march=native", "-fPIC", "-std=gnu11"]
+    isa_flags = cpu_features.COMPILE_FLAGS[isa or cpu_features.detect().isa]
+    flags = ["-O3", "-fPIC", "-std=gnu11", *isa_flags, *(f"-D{d}" for d in defines)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, _cpu_flags(), *flags, *link_flags])
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, *link_flags])
                          .encode()).hexdigest()[:16]
     for cache in _cache_dirs():
         target = cache / f"cpu_kernels-{key}.so"
@@ -198,10 +278,3 @@ def _compile(compiler: str, flags: list[str], compile_flags: list[str], link_fla
         os.replace(lib, target)  # atomic: concurrent builders (test workers, TP ranks) agree on one file
     return target
 
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""

@@ -1,19 +1,38 @@
 /* CPU kernels for the forward pass: linear layers over up to 32 rows, causal attention over the
  * paged KV cache, rotary with the cache write, swiglu, argmax and transpose.
  *
- * Built at first use by `cpu_kernels/__init__.py` with the host's vector ISA (-march=native) and
+ * Built at first use by `cpu_kernels/__init__.py` with the vector ISA detected in-process (`-mavx512f
+ * ...`, `-mavx2 -mfma`, or nothing: never -march=native, so what was detected is what is built) and
  * Paddle's own OpenMP runtime, so these loops share one thread pool with Paddle's MKL kernels.
- * Vectors are GCC vector extensions: AVX-512 registers where the CPU has them, pairs of AVX2
- * registers where it does not. All accumulation is in float32.
+ * Vectors are GCC vector extensions one register wide: 16 floats with AVX-512 (32 registers), 8
+ * with AVX2 (16 registers), 4 elsewhere (SSE2, NEON). The register blocking of the linear kernel
+ * is chosen per width below so its accumulators fit the register file. All accumulation is in
+ * float32.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(64), aligned(4))); /* 16 floats, unaligned access */
-typedef int32_t ivec __attribute__((vector_size(64), aligned(4)));
+#if defined(__AVX512F__)
 #define LANES 16
+#define X_ROWS 8        /* rows of x per tile: 3 x 8 = 24 accumulators + 3 weight vectors + x */
+#define WEIGHT_ROWS 3
+#elif defined(__AVX2__)
+#define LANES 8
+#define X_ROWS 4        /* 3 x 4 = 12 accumulators + 3 weight vectors + x: all 16 registers */
+#define WEIGHT_ROWS 3
+#else
+#define LANES 4
+#define X_ROWS 4
+#define WEIGHT_ROWS 2
+#endif
+
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(4))); /* unaligned access */
+typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
+
+/* The build's vector width, for the loader's log and its tests. */
+int fdlp_lanes(void) { return LANES; }
 
 static inline vec load(const float *p) { return *(const vec *)p; }
 
@@ -44,36 +63,36 @@ static inline vec exp_vec(vec x) {
     return (p * r * r + r + 1.f) * (vec)bits;
 }
 
-static inline float lane_sum(vec v) { /* a shuffle tree: four adds, not fifteen in a chain */
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
+static inline float lane_sum(vec v) { /* a halving tree: log2(LANES) adds, not LANES - 1 in a chain */
+    float s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] for `rows` (<= 8; a constant once inlined) rows of x and the
- * weight rows [n0, n1), three at a time: 24 accumulators, each weight vector loaded once for all
- * rows of x. Decode is bound by reading the weight, and MKL's GEMM reads it at half the speed of
- * its GEMV for 2 to 16 rows. The prefetch 8 KB ahead keeps enough of those reads in flight
- * between the FMAs: 8 rows over the bench model's weights took 92 ms with it, 116 without. */
+/* y[m, n] = sum_k x[m, k] * w[n, k] for `rows` (<= X_ROWS; a constant once inlined) rows of x and
+ * the weight rows [n0, n1), WEIGHT_ROWS at a time, each weight vector loaded once for all rows of
+ * x. Decode is bound by reading the weight, and MKL's GEMM reads it at half the speed of its GEMV
+ * for 2 to 16 rows. The prefetch 8 KB ahead keeps enough of those reads in flight between the
+ * FMAs: 8 rows over the bench model's weights took 92 ms with it, 116 without (AVX-512). */
 static inline __attribute__((always_inline)) void rows_times_weight(const float *x, const float *w, float *y,
                                                                     const int rows, int64_t k_len, int64_t n0,
                                                                     int64_t n1, int64_t ldy) {
-    enum { WR = 3, AHEAD = 2048 };
+    enum { WR = WEIGHT_ROWS, AHEAD = 2048 };
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
     for (int64_t n = n0; n < n1; n += WR) {
         int r_len = n1 - n < WR ? (int)(n1 - n) : WR;
         const float *wr[WR];
         for (int r = 0; r < WR; r++) wr[r] = w + (n + (r < r_len ? r : 0)) * k_len;
-        vec a[WR][8];
+        vec a[WR][X_ROWS];
         for (int r = 0; r < WR; r++)
             for (int m = 0; m < rows; m++) a[r][m] = (vec){0};
         for (int64_t k = 0; k < k_full; k += LANES) {
             vec v[WR];
             for (int r = 0; r < WR; r++) {
                 v[r] = load(wr[r] + k);
-                __builtin_prefetch(wr[r] + k + AHEAD);
+                if (k % 16 == 0) __builtin_prefetch(wr[r] + k + AHEAD); /* one per 64-byte line */
             }
             for (int m = 0; m < rows; m++) {
                 vec xv = load(x + m * k_len + k);
@@ -94,8 +113,9 @@ static inline __attribute__((always_inline)) void rows_times_weight(const float 
 }
 
 /* y[n] = x . w[n] for one row of x (a GEMV) and weight rows [n0, n1): two weight rows at a time
- * with four accumulators each, so more loads are in flight, and no prefetch (it slowed this
- * loop). Over the bench model's weights: 68.5-70 ms against MKL's GEMV at 72.6-74.7. */
+ * with four accumulators each (eight registers at every width), so more loads are in flight, and
+ * no prefetch: 256 to 4096 bytes ahead slowed it on AVX-512 and AVX2 alike. Over the bench model's
+ * weights on an AVX-512 Xeon: 90% of the measured read bandwidth, as fast as MKL's GEMV. */
 static void vector_times_weight(const float *x, const float *w, float *y, int64_t k_len, int64_t n0, int64_t n1) {
     int64_t k_quad = k_len - k_len % (4 * LANES), k_full = k_len - k_len % LANES, tail = k_len - k_full;
     for (int64_t n = n0; n < n1; n += 2) {
@@ -103,12 +123,13 @@ static void vector_times_weight(const float *x, const float *w, float *y, int64_
         const float *w0 = w + n * k_len, *w1 = w + (n + two) * k_len;
         vec a0[4] = {{0}}, a1[4] = {{0}};
         int64_t k = 0;
-        for (; k < k_quad; k += 4 * LANES)
+        for (; k < k_quad; k += 4 * LANES) {
             for (int u = 0; u < 4; u++) {
                 vec xv = load(x + k + u * LANES);
                 a0[u] += load(w0 + k + u * LANES) * xv;
                 a1[u] += load(w1 + k + u * LANES) * xv;
             }
+        }
         for (; k < k_full; k += LANES) {
             vec xv = load(x + k);
             a0[0] += load(w0 + k) * xv;
@@ -124,27 +145,52 @@ static void vector_times_weight(const float *x, const float *w, float *y, int64_
     }
 }
 
-#define ROWS_CASE(R) \
-    case R: rows_times_weight(x + m0 * k_len, w, y + m0 * n_len, R, k_len, n0, n1, n_len); break;
-
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL). */
 void fdlp_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_len, int64_t n_len,
                  int64_t k_len, int threads) {
-    const int64_t block = 48; /* weight rows per task: they stay in L2 across x's 8-row tiles */
+    const int64_t block = 48; /* weight rows per task: they stay in L2 across x's row tiles */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n0 = 0; n0 < n_len; n0 += block) {
         int64_t n1 = n0 + block < n_len ? n0 + block : n_len;
         if (m_len == 1) vector_times_weight(x, w, y, k_len, n0, n1);
-        for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += 8) {
-            switch (m_len - m0 < 8 ? m_len - m0 : 8) {
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-                default: rows_times_weight(x + m0 * k_len, w, y + m0 * n_len, 8, k_len, n0, n1, n_len);
+        for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += X_ROWS) {
+            const float *xm = x + m0 * k_len;
+            float *ym = y + m0 * n_len;
+            switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
+                case 1: rows_times_weight(xm, w, ym, 1, k_len, n0, n1, n_len); break;
+                case 2: rows_times_weight(xm, w, ym, 2, k_len, n0, n1, n_len); break;
+                case 3: rows_times_weight(xm, w, ym, 3, k_len, n0, n1, n_len); break;
+#if X_ROWS > 4
+                case 4: rows_times_weight(xm, w, ym, 4, k_len, n0, n1, n_len); break;
+                case 5: rows_times_weight(xm, w, ym, 5, k_len, n0, n1, n_len); break;
+                case 6: rows_times_weight(xm, w, ym, 6, k_len, n0, n1, n_len); break;
+                case 7: rows_times_weight(xm, w, ym, 7, k_len, n0, n1, n_len); break;
+#endif
+                default: rows_times_weight(xm, w, ym, X_ROWS, k_len, n0, n1, n_len);
             }
         }
         if (bias)
             for (int64_t m = 0; m < m_len; m++)
                 for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
     }
+}
+
+/* Sum of n floats read by every thread: the machine's read bandwidth, measured by the benchmarks
+ * the way a decode step reads its weights. */
+double fdlp_read_sum(const float *x, int64_t n, int threads) {
+    double total = 0;
+    const int64_t chunk = 1 << 16;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
+    for (int64_t c = 0; c < n; c += chunk) {
+        int64_t end = c + chunk < n ? c + chunk : n, i = c;
+        vec a[4] = {{0}};
+        for (; i + 4 * LANES <= end; i += 4 * LANES)
+            for (int u = 0; u < 4; u++) a[u] += load(x + i + u * LANES);
+        float s = lane_sum(a[0] + a[1] + a[2] + a[3]);
+        for (; i < end; i++) s += x[i];
+        total += s;
+    }
+    return total;
 }
 
 /* out[r] = the first index of row r's largest value (NaN skipped; 0 for a row of -inf or NaN). */
@@ -237,19 +283,24 @@ static void softmax_row(float *row, int64_t len) {
     for (t = 0; t < len; t++) row[t] /= total;
 }
 
-/* o[0:dim] = sum_t p[t] * value_t, with the value rows read from the blocks of KV head g; the
- * output stays in registers when dim is a multiple of 16 (up to 256). */
+/* o[0:dim] = sum_t p[t] * value_t, with the value rows read from the blocks of KV head g. The output
+ * stays in registers, up to 8 vectors at a time (half the AVX2 register file), when dim is a
+ * multiple of the vector width. */
 static void weighted_values(const float *p, const float *v_cache, const int64_t *table, int64_t g, int64_t kv_heads,
                             int64_t block_size, int64_t dim, int64_t len, float *o) {
-    if (dim % LANES == 0 && dim <= 16 * LANES) {
-        vec acc[16];
-        int64_t n = dim / LANES;
-        for (int64_t j = 0; j < n; j++) acc[j] = (vec){0};
-        for (int64_t t = 0; t < len; t++) {
-            const float *value = v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
-            for (int64_t j = 0; j < n; j++) acc[j] += p[t] * load(value + j * LANES);
+    enum { SPAN = 8 };
+    if (dim % LANES == 0) {
+        for (int64_t d0 = 0; d0 < dim; d0 += SPAN * LANES) {
+            vec acc[SPAN];
+            int64_t n = (dim - d0) / LANES < SPAN ? (dim - d0) / LANES : SPAN;
+            for (int64_t j = 0; j < n; j++) acc[j] = (vec){0};
+            for (int64_t t = 0; t < len; t++) {
+                const float *value =
+                    v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim + d0;
+                for (int64_t j = 0; j < n; j++) acc[j] += p[t] * load(value + j * LANES);
+            }
+            for (int64_t j = 0; j < n; j++) *(vec *)(o + d0 + j * LANES) = acc[j];
         }
-        for (int64_t j = 0; j < n; j++) *(vec *)(o + j * LANES) = acc[j];
         return;
     }
     memset(o, 0, (size_t)dim * sizeof(float));

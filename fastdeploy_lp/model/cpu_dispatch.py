@@ -1,0 +1,183 @@
+"""Which CPU kernel runs where: each one timed against the Paddle op it replaces, on this machine and model.
+
+The C kernels (`cpu_kernels`) were 1.7x faster than MKL for an 8-row decode step on one AVX-512 CPU
+and several times slower on an AVX2-only one, so no kernel is trusted by default: `prepare(model)`
+(the runner calls it once the model is loaded, in `FDLP_CPU_KERNELS=auto` mode) times both on the
+shapes the engine will run and keeps the faster, per op and row bucket (`cpu_kernels.bucket`):
+
+| op          | buckets                       | measured on                                          |
+|-------------|-------------------------------|------------------------------------------------------|
+| `linear`    | 1, 2-8, 9-16, 17-32 rows      | the model's own q/k/v, o, gate/up and down weights,   |
+|             | (timed at 1, 8, 16, 32)       | read in 32 MB sets in turn, cold as in a decode step |
+| `transpose` | decode (8 rows), prefill (64) | a `[2 * intermediate, rows]` product                 |
+| `swiglu`    | decode (32 rows), prefill (256)| `[rows, 2 * intermediate]`                          |
+| `rotary`    | decode (8 tokens), prefill (256)| layer 0's heads, a paged batch                     |
+| `attention` | decode (8 x 1 token over 256), prefill (128 over 128) | layer 0's heads, a paged cache |
+| `argmax`    | all (timed at 8 rows: both scale with rows) | `[8, vocab]`                           |
+
+Each decision compares the medians of 5 interleaved timings (never one sample), and the kernel
+wins only if its median is lower. The choices are cached beside the compiled library, keyed by the
+model's shapes and the thread count, so the calibration (0.2-0.6 s) happens once per machine and
+model, and they are logged once per process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import paddle
+import paddle.nn.functional as F
+
+from . import cpu_features, cpu_kernels
+from .layers import AttentionBatch
+
+logger = logging.getLogger(__name__)
+
+SAMPLES = 5
+SET_BYTES = 32 << 20  # weights one linear timing reads; sets are read in turn so none is cache-hot
+_logged: set[str] = set()
+
+
+def prepare(model, block_size: int) -> dict[str, bool] | None:
+    """Measure (or read back) which kernels beat Paddle for `model` and hand the choice to
+    `cpu_kernels`; None when no choice is needed (kernels off, forced on, absent, or not on CPU)."""
+    if cpu_kernels.mode() != "auto" or not paddle.get_device().startswith("cpu"):
+        return None
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None
+    signature = _signature(model, block_size)
+    store = kernels.path.with_suffix(".plans.json")
+    plans = _read(store)
+    plan, where = plans.get(signature), f"cached in {store}"
+    if plan is None:
+        start = time.perf_counter()
+        plan = calibrate(kernels, model, block_size)
+        where = f"measured in {time.perf_counter() - start:.2f} s"
+        _write(store, {**_read(store), signature: plan})
+    cpu_kernels.use_plan(plan)
+    if signature not in _logged:
+        _logged.add(signature)
+        logger.info("CPU kernels for %s, %d floats per vector (%s): %s", cpu_features.detect().describe(),
+                    kernels.lanes, where, describe(plan))
+    return plan
+
+
+def describe(plan: dict[str, bool]) -> str:
+    """`kernel: linear 1, 2-8; swiglu decode | Paddle: linear 17-32` from a plan."""
+    def names(won: bool) -> str:
+        ops: dict[str, list[str]] = {}
+        for key, kernel in plan.items():
+            if kernel == won:
+                op, bucket = key.split(":")
+                ops.setdefault(op, []).append(bucket)
+        return "; ".join(f"{op} {', '.join(b)}" for op, b in ops.items()) or "none"
+    return f"kernel: {names(True)} | Paddle: {names(False)}"
+
+
+def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[str, bool]:
+    """Time every kernel against its Paddle op on `model`'s shapes: `{"op:bucket": kernel won}`."""
+    cfg = model.config
+    attn = model.layers[0].self_attn
+    plan = {}
+    with paddle.no_grad():
+        weights = _weight_sets(model)
+        for rows, name in cpu_kernels.LINEAR_BUCKETS:
+            xs = {k: paddle.randn([rows, k]) for k in {w.shape[1] for w in itertools.chain(*weights)}}
+            sets = itertools.cycle(weights)  # shared: consecutive timings read different sets
+            plan[f"linear:{name}"] = _kernel_wins(
+                lambda: [kernels.linear(xs[w.shape[1]], w) for w in next(sets)],
+                lambda: [paddle.matmul(w, xs[w.shape[1]], transpose_y=True) for w in next(sets)])
+        width = model.layers[0].mlp.gate_up_weight.shape[0]
+        for bucket, rows in (("decode", 8), ("prefill", 64)):
+            product = paddle.randn([width, rows])
+            plan[f"transpose:{bucket}"] = _kernel_wins(lambda: kernels.transpose(product),
+                                                       lambda: product.T.contiguous())
+        for bucket, rows in (("decode", 32), ("prefill", 256)):
+            gate_up = paddle.randn([rows, width])
+            plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up))
+        logits = paddle.randn([8, cfg.vocab_size])
+        plan["argmax:all"] = _kernel_wins(lambda: kernels.argmax(logits), lambda: paddle.argmax(logits, axis=-1))
+        for bucket, seqs, new, length in (("decode", 8, 1, 256), ("prefill", 1, 128, 128)):
+            batch, cache = _paged_batch(attn, block_size, seqs, new, length)
+            qkv = paddle.randn([seqs * new, attn.q_size + 2 * attn.kv_size])
+            if attn.q_norm is None:  # the rotary kernel has no q/k norm
+                plan[f"rotary:{bucket}"] = _kernel_wins(
+                    lambda: attn.rotate_and_store_kernel(kernels, qkv, batch, model.rotary, cache),
+                    lambda: attn.rotate_and_store(qkv, batch, model.rotary, cache))
+            group = batch.groups[0]
+            q = paddle.randn([seqs * new, attn.num_heads, attn.head_dim])
+            plan[f"attention:{bucket}"] = _kernel_wins(
+                lambda: kernels.paged_attention(q, *cache, *group.kernel_inputs[:2], new, group.kernel_inputs[2],
+                                                attn.num_kv_heads, block_size, attn.scale),
+                lambda: attn.gathered_attention(q, group, *cache))
+    return plan
+
+
+def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) -> bool:
+    """Whether `kernel` has the lower median time over SAMPLES interleaved runs (after one each to warm up)."""
+    kernel(), reference()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(SAMPLES):
+        for i, fn in enumerate((kernel, reference)):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return statistics.median(times[0]) < statistics.median(times[1])
+
+
+def _weight_sets(model) -> list[list[paddle.Tensor]]:
+    """The decoder layers' linear weights in model order, cut into sets of about SET_BYTES."""
+    sets, current, size = [], [], 0
+    for layer in model.layers:
+        for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
+                  layer.mlp.down_weight):
+            current.append(w)
+            size += w.size * w.element_size()
+            if size >= SET_BYTES:
+                sets.append(current)
+                current, size = [], 0
+    return sets + [current] if current else sets
+
+
+def _paged_batch(attn, block_size: int, seqs: int, new: int, length: int):
+    """A pass of `seqs` sequences adding `new` tokens each, ending at `length`, and a cache holding them."""
+    per_seq = -(-length // block_size)
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(seqs)]
+    batch = AttentionBatch.paged([(t, length - new, new) for t in tables], block_size, attn.num_kv_heads,
+                                 attn.num_heads // attn.num_kv_heads)
+    rows = (1 + seqs * per_seq) * attn.num_kv_heads * block_size
+    return batch, (paddle.randn([rows, attn.head_dim]), paddle.randn([rows, attn.head_dim]))
+
+
+def _signature(model, block_size: int) -> str:
+    cfg, attn = model.config, model.layers[0].self_attn
+    shapes = [tuple(w.shape) for w in (attn.qkv_weight, attn.o_weight, model.layers[0].mlp.gate_up_weight,
+                                       model.layers[0].mlp.down_weight)]
+    return json.dumps([shapes, cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                       attn.q_norm is None, block_size, cpu_kernels.threads()])
+
+
+def _read(store) -> dict[str, dict[str, bool]]:
+    try:
+        return json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(store, plans: dict) -> None:
+    """Atomically, so concurrent processes (test workers, tensor-parallel ranks) agree on one file."""
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=store.parent, delete=False) as f:
+            json.dump(plans, f)
+        os.replace(f.name, store)
+    except OSError as e:
+        logger.warning("could not cache the CPU kernel choices in %s: %s", store, e)
+
