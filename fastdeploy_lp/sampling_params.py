@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .tokenizer.text import check_text
 
 MAX_N = 128
 MAX_TEMPERATURE = 100.0
@@ -44,6 +45,8 @@ class GuidedDecodingParams:
                              f"structural_tag must be set, got {kinds or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("guided_choice: must be a non-empty list of strings")
+        check_text(getattr(self, kinds[0]), f"guided_decoding.{kinds[0]}")
+        check_text(self.whitespace_pattern, "guided_decoding.whitespace_pattern")
 
     def kinds(self) -> list[str]:
         return [f.name for f in fields(self) if f.name not in _JSON_OPTIONS
@@ -87,6 +90,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         _check(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings", self.stop)
+        check_text(self.stop, "stop")
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(all(_integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of token ids (non-negative integers)", self.stop_token_ids)
@@ -118,11 +122,13 @@ class SamplingParams:
                self.skip_special_tokens)
         _check(self.logits_processors_args is None or isinstance(self.logits_processors_args, dict),
                "logits_processors_args", "must be a JSON object", self.logits_processors_args)
+        check_text(self.logits_processors_args, "logits_processors_args")
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
         if self.bad_words is not None:
             _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words),
                    "bad_words", "must be a list of non-empty strings", self.bad_words)
+            check_text(self.bad_words, "bad_words")
         if isinstance(self.guided_decoding, dict):  # vLLM accepts the mapping form too
             unknown = sorted(set(self.guided_decoding) - {f.name for f in fields(GuidedDecodingParams)})
             _check(not unknown, "guided_decoding", f"unknown keys {unknown}", self.guided_decoding)

@@ -9,6 +9,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .text import check_text
+
 
 def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -62,6 +64,9 @@ def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt
     on odd input. The template writes any BOS it wants, as transformers does for chat prompts, so
     encode the result with `add_special_tokens=False`.
     """
+    check_text(messages, "messages")
+    check_text(tools, "tools")
+    check_text(chat_template_kwargs, "chat_template_kwargs")
     kwargs = dict(chat_template_kwargs or {})
     for reserved in RESERVED_BY_REQUEST:
         if reserved in kwargs:
