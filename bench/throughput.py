@@ -1,14 +1,28 @@
-"""Decode throughput and time to first token, fastdeploy_lp vs. `transformers`, same checkpoint, same run.
+"""Decode throughput and time to first token on this CPU: fastdeploy_lp with its CPU kernels on
+`auto`, forced on (`1`) and off (`0`), against `transformers`, llama.cpp and CTranslate2 on the same
+checkpoint, in one run.
 
     python bench/make_bench_model.py            # once: the Qwen2.5-0.5B-shaped random checkpoint
-    python bench/throughput.py --batch-sizes 1 8 32 --prompt-lens 128 512 --output-len 64
+    python bench/throughput.py --batch-sizes 1 8 32 --prompt-lens 128 512 --output-len 64 \\
+        --kernel-modes auto 1 0 --json out.json --plot out.png
 
-For each batch size, all requests arrive together with random prompts of `--prompt-len` tokens
-and generate exactly `--output-len` tokens (EOS ignored, greedy). TTFT is measured per request
-from submission to its first token; decode tokens/s counts the tokens generated after each
-request's first one, over the time between the first and the last token of the batch.
-`transformers`' `generate()` runs on the same checkpoint (PyTorch, CPU, float32) when torch and
-transformers are importable, timed the same way from the token times its streamer receives.
+The header names the CPU (model and the vector ISA the kernels were built for) and the memory read
+bandwidth measured here (every core summing a 1 GiB buffer), and turns it into the weight-read
+limit: a batch-1 decode step reads every linear weight and the LM head once, so no engine decodes
+faster than bandwidth / weight bytes tokens per second. Batch-1 rows show their share of it.
+
+For each batch size, all requests arrive together with random prompts of `--prompt-len` tokens and
+generate exactly `--output-len` tokens (EOS ignored, greedy). TTFT is measured per request from
+submission to its first token; decode tokens/s counts the tokens generated after each request's
+first one, over the time between the first and the last token of the batch. The peers are optional
+and skipped when not installed (never a dependency of the engine or its tests):
+
+* `transformers` (torch, CPU, float32): `generate()`, timed from the token times its streamer sees.
+* llama.cpp through `llama-cpp-python` (`pip install llama-cpp-python`, built from source): the
+  checkpoint converted to an f32 GGUF with the `convert_hf_to_gguf.py` its package vendors; batches
+  decoded with its low-level batch API, one sequence id per request.
+* CTranslate2 (`pip install ctranslate2`, converted with its Transformers converter, float32):
+  `generate_batch`, TTFT as the time of a one-token run, decode from the time of the full run.
 """
 
 from __future__ import annotations
@@ -16,12 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
 
-from fastdeploy_lp import LLM, SamplingParams
-from fastdeploy_lp.model import cpu_kernels
+sys.path.insert(0, os.path.dirname(__file__))
+from peers import ctranslate2_engine, llama_cpp_engine, transformers_engine  # noqa: E402
+
+from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
+from fastdeploy_lp.model import cpu_features, cpu_kernels  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "models", "qwen2.5-0.5b-random")
 
@@ -43,40 +61,32 @@ def bench_fastdeploy(llm: LLM, prompts: list[list[int]], output_len: int) -> dic
     return {"ttft_s": float(np.mean(ttft)), "decode_tok_s": len(prompts) * (output_len - 1) / decode_time}
 
 
-def bench_transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> dict | None:
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-        from transformers.generation.streamers import BaseStreamer
-    except ImportError:
-        return None
+def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
+    """Memory read bandwidth in GB/s: every core summing a buffer far larger than the caches (the
+    kernels' `read_sum`; numpy's one-thread sum where they cannot be built). Median of `reps`."""
+    import paddle
 
-    class Clock(BaseStreamer):
-        """generate() hands the prompt, then each step's tokens, to its streamer: their times."""
-
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
-    clock = Clock()
-    with torch.inference_mode():
+    kernels = cpu_kernels.CpuKernels(cpu_kernels.build()) if cpu_kernels.load() is not None else None
+    data = paddle.full([gib << 28], 0.5, dtype="float32")
+    host = None if kernels else data.numpy()
+    times = []
+    for _ in range(reps + 1):
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, streamer=clock, **kwargs)
-    first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt
-    # The same clock as ours: TTFT from the start, decode from the first token to the last.
-    return {"ttft_s": first - start, "decode_tok_s": len(prompts) * (output_len - 1) / (last - first)}
+        kernels.read_sum(data) if kernels else host.sum()
+        times.append(time.perf_counter() - start)
+    return (gib << 30) / float(np.median(times[1:])) / 1e9
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes a batch-1 decode step reads: every decoder weight, the final norm and the LM head (the
+    embedding only when it is the LM head: a lookup reads one row)."""
+    model = llm.engine.runner.model
+    total = sum(p.size * p.element_size() for p in model.layers.parameters()) + model.norm.weight.size * 4
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head
+    return total + head.size * head.element_size()
 
 
 PREFILL_SEQS = 8  # sequences of the prefill-efficiency pass
-AIMS = {"decode": {1: 1.1, 8: 1.25, 32: 1.25}, "ttft": {8: 0.9, 32: 0.9}}  # ours/theirs; TTFT lower is better
 
 
 def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
@@ -121,12 +131,59 @@ def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
             "gemm_gflops": gemm, "efficiency": achieved / gemm}
 
 
-def verdict(kind: str, batch: int, ratio: float | None) -> str:
-    aim = AIMS[kind].get(batch)
-    if aim is None or ratio is None:
-        return ""
-    met = ratio >= aim if kind == "decode" else ratio <= aim
-    return f"{'met' if met else 'NOT MET'} ({'>=' if kind == 'decode' else '<='}{aim})"
+def run_engines(args, llm: LLM, engines: dict, prompts: list[list[int]]) -> dict:
+    results = {}
+    for mode in args.kernel_modes:
+        cpu_kernels.set_mode(mode)
+        bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
+        results[f"fastdeploy_lp kernels={mode}"] = bench_fastdeploy(llm, prompts, args.output_len)
+    cpu_kernels.set_mode("auto")
+    for name, engine in engines.items():
+        results[name] = engine(prompts, args.output_len)
+    return results
+
+
+def print_table(header: str, rows: list[dict], limit_tok_s: float) -> None:
+    names = list(dict.fromkeys(name for r in rows for name in r["results"]))
+    print(f"\n{header}\n")
+    print(f"{'engine':<28} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
+          f"{'share of weight-read limit':>26}")
+    for name in names:
+        for r in rows:
+            res = r["results"].get(name)
+            if res is None:
+                continue
+            share = f"{res['decode_tok_s'] / limit_tok_s:.0%}" if r["batch"] == 1 else ""
+            print(f"{name:<28} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
+                  f"{res['ttft_s']:>7.3f} | {share:>26}")
+
+
+def plot(path: str, rows: list[dict], title: str) -> None:
+    """Decode tok/s and TTFT against batch size, one line per engine and prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(dict.fromkeys(name for r in rows for name in r["results"]))
+    for prompt_len in sorted({r["prompt_len"] for r in rows}):
+        for name in names:
+            points = [(r["batch"], r["results"][name]) for r in rows
+                      if r["prompt_len"] == prompt_len and name in r["results"]]
+            batches = [b for b, _ in points]
+            label = f"{name}, prompt {prompt_len}"
+            left.plot(batches, [p["decode_tok_s"] for _, p in points], marker="o", label=label)
+            right.plot(batches, [p["ttft_s"] for _, p in points], marker="o", label=label)
+    for ax, what in ((left, "decode tokens/s"), (right, "time to first token, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+    right.legend(fontsize=7)
+    fig.suptitle(title.replace("; ", "\n", 1), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -135,61 +192,54 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--kernel-modes", nargs="+", default=["auto"], choices=cpu_kernels.MODES,
+                    help="FDLP_CPU_KERNELS modes to time the engine in, side by side")
+    ap.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp", "ctranslate2"],
+                    help="peers to time where installed")
     ap.add_argument("--json", help="also write the results to this file")
-    ap.add_argument("--without-cpu-kernels", action="store_true",
-                    help="also time the engine with Paddle's kernels only (FDLP_CPU_KERNELS=0) in the same run")
+    ap.add_argument("--plot", help="draw decode tok/s and TTFT against batch size to this PNG (matplotlib)")
     args = ap.parse_args()
 
+    cpu_kernels.set_mode("auto")  # the engine measures its kernel choices at start-up in this mode
     rng = np.random.default_rng(0)
     # Prefix caching off: the warm-up's prompt would otherwise be a cache hit in the timed run.
-    llm = LLM(args.model, max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS),
-              max_model_len=max(args.prompt_lens) + args.output_len + 8,
+    llm = LLM(args.model, max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), max_model_len=max(args.prompt_lens) + args.output_len + 8,
               enable_prefix_caching=False)
+    cpu = cpu_features.detect()
+    bandwidth = read_bandwidth_gbs()
+    weights = weight_bytes_per_token(llm)
+    limit = bandwidth * 1e9 / weights
+    makers = {"transformers": transformers_engine, "llama.cpp": llama_cpp_engine, "ctranslate2": ctranslate2_engine}
+    engines = {}
+    for peer in args.peers:
+        engine = makers[peer](args.model, max(args.batch_sizes), max(args.prompt_lens) + args.output_len + 8)
+        if engine is None:
+            print(f"{peer}: not installed, skipped", flush=True)
+        else:
+            engines.update(engine)
     vocab = llm.tokenizer.vocab_size
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
             prompts = [rng.integers(0, vocab - 3, prompt_len).tolist() for _ in range(batch)]
-            bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
-            ours = bench_fastdeploy(llm, prompts, args.output_len)
-            theirs = bench_transformers(args.model, prompts, args.output_len)
-            row = {"prompt_len": prompt_len, "batch": batch, "fastdeploy_lp": ours, "transformers": theirs,
-                   "cpu_kernels": cpu_kernels.load() is not None}
-            if args.without_cpu_kernels:
-                kernels, cpu_kernels._loaded = cpu_kernels._loaded, None
-                row["fastdeploy_lp_paddle_kernels"] = bench_fastdeploy(llm, prompts, args.output_len)
-                cpu_kernels._loaded = kernels
-            if theirs:
-                row["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
-                row["ttft_ratio"] = ours["ttft_s"] / theirs["ttft_s"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append({"prompt_len": prompt_len, "batch": batch, "results": run_engines(args, llm, engines, prompts)})
+            print(json.dumps(rows[-1]), flush=True)
+    header = (f"CPU: {cpu.describe()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; "
+              f"{weights / 1e9:.2f} GB of weights per token -> weight-read limit {limit:.1f} tok/s at batch 1")
+    print_table(header, rows, limit)
     prefill = prefill_efficiency(llm, PREFILL_SEQS, max(args.prompt_lens))
-
-    print(f"\n{'prompt':>6} | {'batch':>5} | {'fdlp tok/s':>10} | {'fdlp TTFT s':>11} | {'hf tok/s':>8} | "
-          f"{'hf TTFT s':>9} | {'decode ratio':>12} | {'TTFT ratio':>10} | aims")
-    for r in rows:
-        hf, ours = r["transformers"] or {}, r["fastdeploy_lp"]
-        d, t = r.get("decode_ratio"), r.get("ttft_ratio")
-        aims = ", ".join(v for v in (verdict("decode", r["batch"], d) and f"decode {verdict('decode', r['batch'], d)}",
-                                     verdict("ttft", r["batch"], t) and f"TTFT {verdict('ttft', r['batch'], t)}") if v)
-        print(f"{r['prompt_len']:>6} | {r['batch']:>5} | {ours['decode_tok_s']:>10.1f} | {ours['ttft_s']:>11.3f} | "
-              f"{hf.get('decode_tok_s', float('nan')):>8.1f} | {hf.get('ttft_s', float('nan')):>9.3f} | "
-              f"{d if d is not None else float('nan'):>11.2f}x | {t if t is not None else float('nan'):>9.2f}x | {aims}")
-    for r in rows:
-        if "fastdeploy_lp_paddle_kernels" in r:
-            plain = r["fastdeploy_lp_paddle_kernels"]
-            print(f"prompt {r['prompt_len']} batch {r['batch']}: Paddle kernels only {plain['decode_tok_s']:.1f} tok/s, "
-                  f"TTFT {plain['ttft_s']:.3f} s (with the C kernels: {r['fastdeploy_lp']['decode_tok_s']:.1f} tok/s)")
     print(f"prefill efficiency ({prefill['seqs']} x {prefill['prompt_len']} tokens): "
           f"{prefill['achieved_gflops']:.0f} GFLOP/s achieved vs {prefill['gemm_gflops']:.0f} GFLOP/s Paddle GEMM "
-          f"on the same shapes = {prefill['efficiency']:.0%} (aim >= 85%: "
-          f"{'met' if prefill['efficiency'] >= 0.85 else 'NOT MET'})")
-    result = {"model": args.model, "output_len": args.output_len, "rows": rows, "prefill": prefill}
+          f"on the same shapes = {prefill['efficiency']:.0%}")
+    result = {"model": args.model, "output_len": args.output_len, "cpu": cpu.describe(), "isa": cpu.isa,
+              "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": weights, "weight_read_limit_tok_s": limit,
+              "rows": rows, "prefill": prefill}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        plot(args.plot, rows, header)
 
 
 if __name__ == "__main__":
