@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -57,7 +59,8 @@ class RunningServer:
 
 
 def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env: dict | None = None,
-                 timeout: float = 90.0) -> RunningServer:
+                 timeout: float = 90.0, open_files: int | None = None) -> RunningServer:
+    """`open_files`: the server process's open-file limit (soft and hard), as `ulimit -n` sets it."""
     port = free_port()
     mport = free_port() if metrics_port else None
     cmd = [sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", model,
@@ -69,7 +72,9 @@ def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env
     full_env.pop("FASTDEPLOY_LP_API_KEY", None)
     full_env.update(env or {})
     log = tempfile.NamedTemporaryFile("w", prefix="fdlp-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    limit = None if open_files is None else functools.partial(
+        resource.setrlimit, resource.RLIMIT_NOFILE, (open_files, open_files))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, preexec_fn=limit)
     server = RunningServer(proc, port, log.name, mport)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -84,7 +84,7 @@ BAD_REQUESTS = [
      "messages[0].content[0]", ["text-only"]),
     ("prompt-wrong-type", "/v1/completions", {"prompt": 5}, 400, "prompt", ["token ids"]),
     ("prompt-ids-out-of-vocab", "/v1/completions", {"prompt": [1, 5000]}, 400, "prompt", ["0..1023"]),
-    ("n-too-large", "/v1/chat/completions", chat(n=1000), 400, "n", ["128"]),
+    ("n-too-large", "/v1/chat/completions", chat(n=1000), 400, "n", ["--max-n"]),
     ("unknown-processor-arg", "/v1/chat/completions", chat(logits_processors_args={"no_such_key": 1}), 400,
      "logits_processors_args.no_such_key", ["no registered logits processor", "LogitBiasLogitsProcessor"]),
     ("processor-arg-wrong-type", "/v1/chat/completions", chat(logits_processors_args={"slow_ms": "slow"}), 400,

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from fastdeploy_lp.config import default_model_path
 from server_harness import start_server
 
 KEY = "hardening-secret"
@@ -162,3 +163,58 @@ def test_sigterm_drains_ends_live_streams_cleanly_and_exits_0():
         assert "shutting down" in last["error"]["message"]
     r = blocking["r"]
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_a_second_sigint_ends_running_requests_at_once_with_json_errors_and_done():
+    # A drain of up to 60 s: only the second signal can end these requests within seconds.
+    s = start_server("--max-num-seqs", "4", "--shutdown-timeout", "60",
+                     "--logits-processors", "server_processors:SlowLogitsProcessor", model=default_model_path())
+    body = chat(max_tokens=200, ignore_eos=True, logits_processors_args={"slow_ms": 100})
+    results: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def stream(name):
+        with httpx.stream("POST", s.url("/v1/chat/completions"), json={**body, "stream": True}, timeout=60) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+            results[name] = (r.status_code, lines)
+
+    def blocking():
+        results["blocking"] = httpx.post(s.url("/v1/chat/completions"), json=body, timeout=60)
+
+    threads = [threading.Thread(target=stream, args=(f"stream{i}",)) for i in range(2)]
+    threads.append(threading.Thread(target=blocking))
+    try:
+        for t in threads:
+            t.start()
+        assert streaming.wait(60)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        refused = httpx.post(s.url("/v1/chat/completions"), json=chat(), timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_serving"
+        s.proc.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        late = []
+        while s.proc.poll() is None and time.monotonic() - second < 20:  # new requests while it stops
+            try:
+                late.append(httpx.post(s.url("/v1/chat/completions"), json=chat(), timeout=10))
+            except (httpx.ConnectError, httpx.RemoteProtocolError):  # the listener closed, or closed on it
+                break
+        for t in threads:
+            t.join(30)
+        ended_s = time.monotonic() - second
+        assert s.proc.wait(30) == 0, s.log()
+    finally:
+        s.stop()
+    assert ended_s < 10, ended_s
+    for name in ("stream0", "stream1"):
+        status, lines = results[name]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert "shutting down" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+    r = results["blocking"]
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    for r in late:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_serving", r.text

@@ -31,8 +31,11 @@ from ...engine.async_engine import AsyncLLMEngine
 from ...engine.engine import LLMEngine
 from ...engine.llm import build_engine
 from ...processors.custom_backends import load_custom_backends
-from .args import cache_config_from_args, make_parser, missing_model_hint, resolve_api_key, trust_custom_code
+from .args import (cache_config_from_args, make_parser, missing_model_hint, request_limits_from_args, resolve_api_key,
+                   trust_custom_code)
+from .connections import ConnectionLimits, bounded_protocol, fit_to_open_file_limit, throttle_accept_errors
 from .exception_handlers import EXCEPTION_HANDLERS
+from .limits import RequestLimits
 from .metrics import ServerMetrics
 from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -56,6 +59,8 @@ class ServerSettings:
     model_aliases: set[str] = field(default_factory=set)
     max_request_body_bytes: int = 8 << 20
     shutdown_timeout_s: float = 30.0
+    engine_stall_timeout_s: float | None = 60.0  # no progress this long while requests wait: /health 503
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -69,7 +74,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                   exception_handlers=EXCEPTION_HANDLERS)
     state = app.state
     state.settings, state.draining, state.started = settings, False, int(time.time())
-    state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests)
+    state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests,
+                                        stall_timeout_s=settings.engine_stall_timeout_s)
     state.metrics = ServerMetrics(state.async_engine)
     state.async_engine.observer = state.metrics.observe
     aliases = settings.model_aliases | {"default", settings.model_path}
@@ -89,6 +95,7 @@ async def _lifespan(app: FastAPI):
     """The engine thread runs while the app does."""
     async_engine, settings = app.state.async_engine, app.state.settings
     async_engine.start()
+    throttle_accept_errors(asyncio.get_running_loop())
     logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
                 settings.model_path, ", ".join(async_engine.engine.pipeline.names) or "none")
     try:
@@ -117,7 +124,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(served_model_names=names, model_path=args.model, api_key=resolve_api_key(args),
                           strict_fields=args.strict_fields, max_waiting_requests=args.max_waiting_requests,
                           model_aliases={args.model}, max_request_body_bytes=args.max_request_body_bytes,
-                          shutdown_timeout_s=args.shutdown_timeout)
+                          shutdown_timeout_s=args.shutdown_timeout,
+                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=request_limits_from_args(args))
 
 
 class GracefulServer(uvicorn.Server):
@@ -126,7 +134,9 @@ class GracefulServer(uvicorn.Server):
     The first SIGTERM/SIGINT marks the app as draining (new requests and /health get 503), waits up
     to `shutdown_timeout_s` for the running requests, then shuts the engine down: what is still
     running ends with an error (an error event and [DONE] on streams, a JSON 503 otherwise). Only
-    then does uvicorn close the connections, and the process exits 0. A second signal skips the wait.
+    then does uvicorn close the connections, and the process exits 0. A second signal skips the
+    wait, not the answers: the running requests end with their error at once. A third one stops
+    without answering them (uvicorn's force exit).
     """
 
     def __init__(self, config: uvicorn.Config, app: FastAPI):
@@ -134,6 +144,7 @@ class GracefulServer(uvicorn.Server):
         self.app = app
         self._drain: asyncio.Task | None = None
         self._signalled = False
+        self._hurry = False  # a second signal: end the running requests now
         self.fatal: str | None = None  # why the server stopped by itself (the exit status is then 1)
 
     def stop_fatally(self, message: str) -> None:
@@ -147,9 +158,13 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
-        if self._signalled:  # asked twice: stop now
+        if self._hurry:  # asked three times: stop without answering
             self.should_exit = True
             self.force_exit = sig == signal.SIGINT
+            return
+        if self._signalled:
+            self._hurry = True
+            logger.info("shutting down now: ending the running requests")
             return
         self._signalled = True
         self.app.state.draining = True
@@ -165,13 +180,22 @@ class GracefulServer(uvicorn.Server):
     async def _drain_engine(self) -> None:
         engine: AsyncLLMEngine = self.app.state.async_engine
         deadline = time.monotonic() + self.app.state.settings.shutdown_timeout_s
-        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if engine.engine.has_unfinished_requests():
             logger.warning("shutdown timeout: ending %d running and %d waiting requests",
                            engine.num_running, engine.num_waiting)
         await asyncio.to_thread(engine.shutdown, reason="the server is shutting down")
         await asyncio.sleep(0.1)  # let the handlers write those last answers
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn with bounded connections: the cap, the request-read and keep-alive timeouts."""
+    max_connections, backlog = fit_to_open_file_limit(args.limit_concurrency)
+    limits = ConnectionLimits(max_connections=max_connections, read_timeout_s=args.request_read_timeout)
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, backlog=backlog,
+                          http=bounded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
+                          timeout_graceful_shutdown=5)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -181,12 +205,13 @@ def run_server(args: argparse.Namespace) -> int:
         print("fastdeploy-lp: cannot start: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     try:
+        settings = settings_from_args(args)
         engine = engine_from_args(args)
     except (ValueError, OSError, ImportError, TensorParallelError) as e:  # bad processor name, missing model,
         # bad flag value, a tensor-parallel worker that died while starting
         print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(args.model)}", file=sys.stderr)
         return 2
-    app = build_app(engine, settings_from_args(args))
+    app = build_app(engine, settings)
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -197,9 +222,7 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"fastdeploy-lp: cannot start: --metrics-port {args.metrics_port}: {e}", file=sys.stderr)
             engine.runner.close()
             return 2
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                            timeout_graceful_shutdown=5)
-    server = GracefulServer(config, app)
+    server = GracefulServer(uvicorn_config(app, args), app)
     engine.runner.on_failure(server.stop_fatally)
     try:
         server.run()

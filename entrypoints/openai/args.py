@@ -9,6 +9,9 @@ import os
 from ...config import CacheConfig, default_model_path
 from ...reasoning import REASONING_PARSERS
 from ...processors.custom_backends import TRUST_ENV
+from ...sampling_params import MAX_N
+from .connections import DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_REQUEST_READ_TIMEOUT_S
+from .limits import RequestLimits
 
 API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
 
@@ -131,14 +134,53 @@ def _add_http_args(server) -> None:
     server.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
                         help="On SIGTERM/SIGINT: refuse new requests (503), let running ones finish for up to "
                              "this long, then end the rest with an error (streams: an error event and [DONE]).")
+    server.add_argument("--engine-stall-timeout", type=_non_negative_float, default=60.0, metavar="SECONDS",
+                        help="If requests wait and the engine computes no token and finishes no request for this "
+                             "long, /health says 503 and those requests end with an error, until it makes "
+                             "progress again. 0: no watchdog.")
     server.add_argument("--logits-processor-timeout", type=_non_negative_float, default=2.0, metavar="SECONDS",
                         help="A logits processor taking longer than this in one step fails the requests that "
                              "enabled it (the step itself is not interrupted). 0: no limit.")
+    _add_limit_args(server)
     server.add_argument("--strict-fields", action="store_true",
                         help="Reject requests with unknown top-level fields (400) instead of listing them "
                              "in the x-fastdeploy-lp-ignored-fields response header.")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of the server and uvicorn.")
+
+
+def _add_limit_args(server) -> None:
+    """What one request may ask for, and how long a connection may take to ask (docs/server.md)."""
+    limits = RequestLimits()
+    server.add_argument("--max-messages", type=_positive_int, default=limits.max_messages,
+                        help="Most messages in one chat request; more get a 400 before any templating.")
+    server.add_argument("--max-n", type=_positive_int, default=limits.max_n,
+                        help=f"Most choices (n) per request (at most {MAX_N}); more get a 400.")
+    server.add_argument("--max-sequences-per-request", type=_positive_int, default=limits.max_sequences_per_request,
+                        help="Most sequences one request submits at once: prompts x n (a completions batch of "
+                             "P prompts with n choices is P*n); more get a 400.")
+    server.add_argument("--max-bad-words", type=_positive_int, default=limits.max_bad_words,
+                        help="Most entries in bad_words, logits_processors_args.bad_words and "
+                             "logits_processors_args.bad_words_token_ids (each); more get a 400.")
+    server.add_argument("--max-bad-word-length", type=_positive_int, default=limits.max_bad_word_length,
+                        help="Most characters of one bad word, or token ids of one banned sequence; longer get a 400.")
+    server.add_argument("--limit-concurrency", type=_positive_int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                        help="Most open connections; a connection beyond it gets a JSON 503 and is closed.")
+    server.add_argument("--request-read-timeout", type=_positive_float, default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="A connection must send a request's headers within this long of opening (or of its "
+                             "first byte after an idle keep-alive); the body gets the same time plus 1 s per "
+                             "64 KiB. Else the connection is closed.")
+    server.add_argument("--keep-alive-timeout", type=_positive_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                        metavar="SECONDS", help="An idle connection between requests is closed after this long.")
+
+
+def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    if args.max_n > MAX_N:
+        raise ValueError(f"--max-n: at most {MAX_N}, got {args.max_n}")
+    return RequestLimits(max_messages=args.max_messages, max_bad_words=args.max_bad_words,
+                         max_bad_word_length=args.max_bad_word_length, max_n=args.max_n,
+                         max_sequences_per_request=args.max_sequences_per_request)
 
 
 def _add_cache_args(cache) -> None:

@@ -3,20 +3,41 @@ put back into the OpenAPI schema that hand-parsing hides from FastAPI."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
+from ...tokenizer.text import first_unencodable, unencodable_message
 from .errors import OpenAIError, bad_request, from_validation_error
+from .limits import RequestLimits
+from .serving_engine import ClientDisconnected
 
 IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
 MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)
+INLINE_PARSE_BYTES = 64 << 10  # larger bodies are parsed off the event loop
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    """The JSON body validated by `model`. Content-Type is not required (curl -d sends a form type)."""
-    raw = await request.body()
+    """The JSON body validated by `model`. Content-Type is not required (curl -d sends a form type).
+
+    A large body is parsed on a worker thread: decoding and walking megabytes of JSON would
+    otherwise hold the event loop, and every other request with it, for a noticeable time."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone mid-body (or closed by the request-read timeout)
+        raise ClientDisconnected() from None
+    limits = request.app.state.settings.limits
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw, model, limits)
+    return parse_json_body(raw, model, limits)
+
+
+def parse_json_body(raw: bytes, model: type[BaseModel], limits: RequestLimits):
+    """Decode, check and validate a body, cheapest checks first: the JSON itself, the limits
+    (list lengths), the nesting depth, text that is not valid Unicode, then the request model."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -32,8 +53,12 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    limits.check(data)
     if json_depth(data) > MAX_JSON_DEPTH:
         raise _too_deep()
+    if (found := first_unencodable(data)) is not None:
+        where = found[0] or "the request body"  # a top-level key
+        raise bad_request(unencodable_message(where, *found[1:]), param=found[0] or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:

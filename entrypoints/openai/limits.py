@@ -1,0 +1,67 @@
+"""Per-request limits, checked on the parsed JSON before anything else looks at it.
+
+A body of a few kilobytes can ask for far more work than it weighs: 20,000 chat messages to
+template and tokenize, 5,000 bad words each turned into a row of a per-step match table, `n=128`
+sequences holding every slot. These checks count list lengths and string sizes only (no
+validation model, no tokenizer), so an over-limit request gets its 400 in microseconds.
+The flags are in `args.py`; `docs/server.md` lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import bad_request
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_messages: int = 2048              # chat turns (--max-messages)
+    max_bad_words: int = 128              # entries per bad-words list (--max-bad-words)
+    max_bad_word_length: int = 128        # characters of a word, ids of a banned sequence (--max-bad-word-length)
+    max_n: int = 16                       # choices per prompt (--max-n)
+    max_sequences_per_request: int = 256  # prompts x n of one request (--max-sequences-per-request)
+
+    def check(self, body: dict) -> None:
+        """400 naming the first field over a limit. Values of the wrong type are left to the
+        request model, which reports them."""
+        self._check_count(body, "messages", self.max_messages, "--max-messages")
+        n = body.get("n")
+        n = n if _integer(n) else 1
+        if n > self.max_n:
+            raise bad_request(f"n: {n} choices are more than this server allows per request ({self.max_n}, "
+                              "--max-n)", param="n")
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not _integer(prompt[0]) else 1
+        if prompts * n > self.max_sequences_per_request:
+            raise bad_request(f"prompt: {prompts} prompts x n={n} are {prompts * n} sequences, more than one "
+                              f"request may submit ({self.max_sequences_per_request}, --max-sequences-per-request)",
+                              param="prompt")
+        self._check_words(body.get("bad_words"), "bad_words", "characters")
+        args = body.get("logits_processors_args")
+        if isinstance(args, dict):
+            self._check_words(args.get("bad_words"), "logits_processors_args.bad_words", "characters")
+            self._check_words(args.get("bad_words_token_ids"), "logits_processors_args.bad_words_token_ids",
+                              "token ids")
+
+    @staticmethod
+    def _check_count(body: dict, field: str, limit: int, flag: str) -> None:
+        value = body.get(field)
+        if isinstance(value, list) and len(value) > limit:
+            raise bad_request(f"{field}: {len(value)} entries are more than this server allows ({limit}, {flag})",
+                              param=field)
+
+    def _check_words(self, words, field: str, unit: str) -> None:
+        if not isinstance(words, list):
+            return
+        if len(words) > self.max_bad_words:
+            raise bad_request(f"{field}: {len(words)} entries are more than this server allows "
+                              f"({self.max_bad_words}, --max-bad-words)", param=field)
+        for i, word in enumerate(words):
+            if isinstance(word, (str, list)) and len(word) > self.max_bad_word_length:
+                raise bad_request(f"{field}[{i}]: {len(word)} {unit}, more than this server allows per entry "
+                                  f"({self.max_bad_word_length}, --max-bad-word-length)", param=f"{field}[{i}]")
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
