@@ -107,3 +107,30 @@ def test_a_bad_mode_is_refused_at_start():
     done = subprocess.run([sys.executable, "-c", snippet], env={**os.environ, cpu_kernels.SWITCH: "yes"},
                           capture_output=True, text=True, timeout=180)
     assert done.returncode != 0 and "FDLP_CPU_KERNELS='yes': expected one of auto, 0, 1" in done.stderr
+
+
+
+@pytest.fixture
+def isa_switch(monkeypatch):
+    """Set FDLP_CPU_ISA for one `detect()` call; the cached features come back after."""
+    def detect(value: str) -> cpu_features.CpuFeatures:
+        monkeypatch.setenv(cpu_features.ISA_SWITCH, value)
+        cpu_features.detect.cache_clear()
+        return cpu_features.detect()
+    yield detect
+    monkeypatch.delenv(cpu_features.ISA_SWITCH, raising=False)
+    cpu_features.detect.cache_clear()
+
+
+def test_a_narrower_isa_can_be_asked_for(isa_switch):
+    narrow = isa_switch("portable")
+    assert narrow.isa == "portable" and not narrow.has_avx512f and narrow.compile_flags == []
+
+
+def test_a_wider_or_unknown_isa_is_refused(isa_switch):
+    native = cpu_features.detect().isa
+    with pytest.raises(ValueError, match="FDLP_CPU_ISA='sse9'"):
+        isa_switch("sse9")
+    if native != "avx512":
+        with pytest.raises(ValueError, match="this CPU runs"):
+            isa_switch("avx512")

@@ -13,14 +13,21 @@ The instruction set families the engine distinguishes:
 | `avx512`   | AVX-512 F, BW, DQ, VL (+ AVX2, FMA, F16C)  | 16 floats, 32 regs  | yes                       |
 | `avx2`     | AVX2, FMA, F16C                            | 8 floats, 16 regs   | no: the plain formula     |
 | `portable` | anything else (older x86-64, aarch64, ...) | 4 floats            | no: the plain formula     |
+
+`FDLP_CPU_ISA=avx2` (or `portable`) makes the process act as on a narrower CPU: the features above
+it are dropped, so the kernels, Paddle's fused ops and the benchmarks all take that path (to
+measure it, or to step around a CPU bug). A wider ISA than the CPU has is refused.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 
+ISA_SWITCH = "FDLP_CPU_ISA"
+ISAS = ("avx512", "avx2", "portable")  # widest first
 _AVX512 = ("AVX512F", "AVX512BW", "AVX512DQ", "AVX512VL", "AVX2", "FMA3", "F16C")
 _AVX2 = ("AVX2", "FMA3", "F16C")
 COMPILE_FLAGS = {
@@ -73,7 +80,14 @@ def detect() -> CpuFeatures:
     except ImportError:  # numpy < 2
         from numpy.core._multiarray_umath import __cpu_features__ as table
     vendor, model = _cpuinfo("vendor_id"), _cpuinfo("model name")
-    return CpuFeatures(platform.machine(), frozenset(k for k, v in table.items() if v), vendor, model)
+    cpu = CpuFeatures(platform.machine(), frozenset(k for k, v in table.items() if v), vendor, model)
+    cap = os.environ.get(ISA_SWITCH, "").strip().lower()
+    if not cap:
+        return cpu
+    if cap not in ISAS or ISAS.index(cap) < ISAS.index(cpu.isa):
+        raise ValueError(f"{ISA_SWITCH}={cap!r}: this CPU runs {', '.join(ISAS[ISAS.index(cpu.isa):])}")
+    dropped = {"avx512": (), "avx2": ("AVX512",), "portable": ("AVX512", "AVX2", "FMA3", "F16C")}[cap]
+    return CpuFeatures(cpu.machine, frozenset(f for f in cpu.flags if not f.startswith(dropped)), vendor, model)
 
 
 def _cpuinfo(key: str) -> str:
