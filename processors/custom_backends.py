@@ -17,16 +17,23 @@ Loading runs the directory's code, so it needs the operator's explicit `--trust-
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextvars
 import importlib.util
 import inspect
 import logging
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import paddle
 
 from .base import LogitsProcessor, RequestFailures, active_slots
 
@@ -85,7 +92,9 @@ def _import_backend(name: str, path: str, site: str) -> CustomBackend:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit too: a backend's exit is a start-up error, not the server's exit
         raise ValueError(f"custom backend {name!r}: importing backend.py failed: {type(e).__name__}: {e}") from e
     hooks = {}
     for attr, required in (("get_custom_guided_decoding_logits_processor", True),
@@ -117,37 +126,79 @@ class BackendTokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-async def prepare_request(backend: CustomBackend, request: Any, tokenizer) -> dict[str, Any]:
+class BackendRequestError(ValueError):
+    """The backend refused or could not prepare this request (it raised, or ran out of time)."""
+
+
+class MalformedBackendResult(RuntimeError):
+    """The backend answered with something it may not: no processor for a constrained request, or
+    an object that is not what its hook must return."""
+
+
+async def prepare_request(backend: CustomBackend, request: Any, tokenizer, *, constrained_by: str | None,
+                          timeout_s: float | None) -> dict[str, Any]:
     """Run the backend's hooks for one request; returns the `SamplingParams.extra` entries to set.
 
+    The hooks run on their own thread and event loop, under `timeout_s` (the compile limit of the
+    built-in guided decoding): one that blocks or never returns fails this request, not the server.
     The processor later runs on the engine thread inside a copy of the context the parameter hook
-    ran in, so `contextvars` set there are visible to it.
+    ran in, so `contextvars` set there are visible to it. `constrained_by` names the request field
+    that asked for a constraint: such a request may not go unconstrained because the backend
+    returned no processor.
     """
     async def hooks():
         if backend.set_parameters is not None:
             await backend.set_parameters(request)
         return await backend.get_logits_processor(request, BackendTokenizer(tokenizer)), contextvars.copy_context()
 
-    proc, context = await _in_fresh_context(hooks)
-    return {} if proc is None else {"request_logits_processor": proc, "request_context": context}
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    threading.Thread(target=_run_to_future, args=(done, asyncio.run, hooks()), daemon=True,
+                     name=f"custom-backend-{backend.name}").start()
+    try:
+        proc, context = await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+    except asyncio.TimeoutError:
+        logger.warning("custom backend %r did not prepare a request within %g s", backend.name, timeout_s)
+        raise BackendRequestError(f"backend {backend.name!r} did not prepare this request within {timeout_s:g} s "
+                                  "(the guided-decoding compile limit)") from None
+    except Exception as e:  # the backend rejected the request or failed on it
+        raise BackendRequestError(f"backend {backend.name!r} failed on this request: {type(e).__name__}: {e}") from None
+    if proc is None:
+        if constrained_by is not None:
+            raise MalformedBackendResult(f"custom guided decoding backend {backend.name!r} returned no logits "
+                                         f"processor for a request constrained by {constrained_by}; it would "
+                                         "run unconstrained")
+        return {}
+    if not callable(proc):
+        raise MalformedBackendResult(f"custom guided decoding backend {backend.name!r}: "
+                                     f"get_custom_guided_decoding_logits_processor returned {type(proc).__name__}, "
+                                     "not a callable proc(input_ids, scores) -> scores or None")
+    return {"request_logits_processor": proc, "request_context": context, "request_backend": backend.name}
 
 
-async def _in_fresh_context(coroutine_fn):
-    import asyncio
-
-    return await asyncio.get_running_loop().create_task(coroutine_fn(), context=contextvars.copy_context())
+def _run_to_future(future: concurrent.futures.Future, fn, *args) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - SystemExit from a backend is its failure, handed over
+        future.set_exception(e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}"))
 
 
 class RequestLogitsProcessorAdapter(LogitsProcessor):
     """Runs per-request processors (`SamplingParams.extra["request_logits_processor"]`) in the batch.
 
-    Each callable sees its own row and its request's generated ids; one that raises fails only its
-    own request.
+    Each callable sees its own row and its request's generated ids, on a worker thread under the
+    step's time limit (`logits_processor_timeout_s`, the one built-in guided decoding runs under):
+    one that raises, returns anything but its row of scores, or runs out of time fails only its
+    own request, never leaving it unconstrained. A call that never returns strands its worker,
+    which is replaced.
     """
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
-        self._rows: list[tuple[int, int, Callable, contextvars.Context, list[int]]] = []
+        self._rows: list[tuple[int, int, Callable, contextvars.Context, list[int], str]] = []
+        self._timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        self._worker = _DaemonWorker()
 
     @classmethod
     def declared_keys(cls):
@@ -162,16 +213,68 @@ class RequestLogitsProcessorAdapter(LogitsProcessor):
         for row, slot in enumerate(active_slots(share_inputs)):
             params = share_inputs["sampling_params"][slot]
             if params is not None and "request_logits_processor" in params.extra:
-                self._rows.append((row, slot, params.extra["request_logits_processor"],
-                                   params.extra["request_context"], share_inputs["output_ids"][slot]))
+                extra = params.extra
+                self._rows.append((row, slot, extra["request_logits_processor"], extra["request_context"],
+                                   share_inputs["output_ids"][slot], extra.get("request_backend", "custom")))
 
     def apply(self, logits):
         failures = {}
-        for row, slot, proc, context, output_ids in self._rows:
+        deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        for row, slot, proc, context, output_ids, backend in self._rows:
+            scores = logits[row]
             try:
-                logits[row] = context.run(proc, list(output_ids), logits[row])
+                out = self._call(context, proc, list(output_ids), scores, deadline)
+            except concurrent.futures.TimeoutError:
+                failures[slot] = (f"custom guided decoding backend {backend!r}: its logits processor took longer "
+                                  f"than the per-step limit of {self._timeout_s:g} s (--logits-processor-timeout)")
+                continue
             except Exception as e:  # a backend's bug fails its own request, not the batch
-                failures[slot] = f"custom guided decoding backend failed: {type(e).__name__}: {e}"
+                failures[slot] = f"custom guided decoding backend {backend!r} failed: {type(e).__name__}: {e}"
+                continue
+            if not isinstance(out, paddle.Tensor) or list(out.shape) != list(scores.shape):
+                failures[slot] = (f"custom guided decoding backend {backend!r}: its logits processor returned "
+                                  f"{_describe(out)}; it must return the scores it was given "
+                                  f"(a tensor of shape {list(scores.shape)})")
+                continue
+            logits[row] = out
         if failures:
             raise RequestFailures(failures)
         return logits
+
+    def _call(self, context, proc, output_ids, scores, deadline):
+        future = self._worker.submit(context.run, proc, output_ids, scores)
+        try:
+            return future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self._worker.close()  # its thread is stuck in the call; a fresh one takes the next
+            self._worker = _DaemonWorker()
+            raise
+
+
+class _DaemonWorker:
+    """One daemon thread running calls in order. Unlike a `ThreadPoolExecutor`'s, a thread stuck
+    in a backend's call never holds up the interpreter's exit."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="custom-backend-proc", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            _run_to_future(future, fn, *args)
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "None"
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__}" + (f" of shape {list(shape)}" if shape is not None else "")

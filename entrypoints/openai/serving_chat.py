@@ -56,7 +56,8 @@ class OpenAIServingChat(OpenAIServing):
                                          defaults=self.generation_defaults, guided=guided)
             prompt_ids, prompt_text = await asyncio.to_thread(self._prompt, req)
         if backend is not None:
-            await self.use_custom_backend(backend, req, params)
+            constrained_by = req.constraint_field() if guided is not None else ("tools" if tools_active else None)
+            await self.use_custom_backend(backend, req, params, constrained_by)
         if params.logprobs is not None:
             await self.warm_token_table()
         renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field(),

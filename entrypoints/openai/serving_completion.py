@@ -43,7 +43,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_params = params
                 if backend is not None:  # each prompt gets its own processor from the backend
                     prompt_params = params.clone()
-                    await self.use_custom_backend(backend, req, prompt_params)
+                    await self.use_custom_backend(backend, req, prompt_params,
+                                                  req.constraint_field() if guided is not None else None)
                 streams.append(await self.submit(prompt, prompt_params, renames=renames))
         except BaseException:
             abort_all(streams)

@@ -15,8 +15,9 @@ from starlette.responses import StreamingResponse
 
 from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
 from ...engine.request import Logprob, RequestOutput
-from ...processors.custom_backends import CustomBackend, prepare_request
+from ...processors.custom_backends import BackendRequestError, CustomBackend, MalformedBackendResult, prepare_request
 from ...processors.guided.compiler import FIELDS as GUIDED_FIELD_NAMES
+from ...processors.guided.compiler import default_compile_timeout_s
 from ...sampling_params import GuidedDecodingParams, SamplingParams
 from .errors import RETRY_LATER, OpenAIError, bad_request, from_value_error
 
@@ -75,22 +76,42 @@ class OpenAIServing:
             raise bad_request(f"{field}: unknown guided decoding backend {name!r}; available: {known}", param=field)
         return backends.get(name)
 
-    async def use_custom_backend(self, backend: CustomBackend, req, params: SamplingParams) -> None:
-        """Run the backend's request hooks; its processor replaces any llguidance constraint."""
+    async def use_custom_backend(self, backend: CustomBackend, req, params: SamplingParams,
+                                 constrained_by: str | None) -> None:
+        """Run the backend's request hooks; its processor replaces any llguidance constraint.
+        `constrained_by` is the field that asked for a constraint (None: the request asked for none)."""
         request = req.model_dump(by_alias=True, exclude_none=True)
         try:
-            params.extra.update(await prepare_request(backend, request, self.tokenizer))
-        except Exception as e:  # the backend rejected the request or failed on it
-            raise bad_request(f"guided_decoding_backend: backend {backend.name!r} failed on this request: "
-                              f"{type(e).__name__}: {e}", param="guided_decoding_backend") from None
+            params.extra.update(await prepare_request(backend, request, self.tokenizer, constrained_by=constrained_by,
+                                                      timeout_s=default_compile_timeout_s()))
+        except BackendRequestError as e:
+            raise bad_request(f"guided_decoding_backend: {e}", param="guided_decoding_backend") from None
+        except MalformedBackendResult as e:
+            raise backend_error(str(e)) from None
         params.guided_decoding = None
 
     @staticmethod
     async def finish_with_backend(backend: CustomBackend | None, response, raw: Request):
-        """The backend's post-processing hook, when it has one, on the final response or the stream."""
+        """The backend's post-processing hook, when it has one, on the final response (which must
+        stay a JSON object) or the stream (which must stay a stream of SSE text ending in [DONE])."""
         if backend is None or backend.constrained_generator is None:
             return response
-        return await backend.constrained_generator(response, raw)
+        streaming = not isinstance(response, dict)
+        try:
+            result = await asyncio.wait_for(backend.constrained_generator(response, raw), default_compile_timeout_s())
+        except asyncio.TimeoutError:
+            raise backend_error(f"custom guided decoding backend {backend.name!r}: "
+                                "get_guided_decoding_constrained_generator did not return in time") from None
+        except Exception as e:
+            raise backend_error(f"custom guided decoding backend {backend.name!r}: "
+                                f"get_guided_decoding_constrained_generator failed: {type(e).__name__}: {e}") from None
+        if streaming and hasattr(result, "__aiter__"):
+            return _checked_stream(backend.name, result)
+        if not streaming and isinstance(result, dict):
+            return result
+        raise backend_error(f"custom guided decoding backend {backend.name!r}: get_guided_decoding_constrained_generator "
+                            f"returned {type(result).__name__}, not " +
+                            ("an async iterator of SSE chunks" if streaming else "a response object"))
 
     @staticmethod
     def guided_renames(field: str, whitespace_field: str = "guided_whitespace_pattern") -> dict[str, str]:
@@ -250,6 +271,30 @@ class SSEResponse(StreamingResponse):
             abort_all(self._streams)  # no-op for finished ones
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def backend_error(message: str) -> OpenAIError:
+    """A custom backend broke its contract: the server's fault, not the request's."""
+    return OpenAIError(500, message, code="custom_backend_error")
+
+
+async def _checked_stream(backend: str, chunks) -> AsyncIterator[str | bytes]:
+    """A backend's rewritten stream, cut with an error event and [DONE] at its first item that is
+    not SSE text or its first exception, and given its [DONE] if it leaves it out."""
+    done = False
+    try:
+        async for chunk in chunks:
+            if not isinstance(chunk, (str, bytes)):
+                raise TypeError(f"it yielded {type(chunk).__name__}, not SSE text")
+            done = (chunk if isinstance(chunk, str) else chunk.decode("utf-8", "replace")).rstrip().endswith(
+                "data: [DONE]")
+            yield chunk
+    except Exception as e:  # noqa: BLE001 - ends the stream the documented way
+        error = backend_error(f"custom guided decoding backend {backend!r}: its stream failed: {type(e).__name__}: {e}")
+        yield sse(error.body())
+        done = False
+    if not done:
+        yield SSE_DONE
 
 
 def engine_error_event(error: BaseException) -> str:

@@ -70,6 +70,11 @@ _GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")
 _OPENAI_WRAPPER_KEYS = {"name", "description", "schema", "strict"}
 
 
+def default_compile_timeout_s() -> float:
+    """The time limit of preparing one request's constraint (custom backends' hooks too)."""
+    return float(os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S", 5.0))
+
+
 class GuidedDecodingError(ValueError):
     """A constraint that cannot be used; `field` is the request field to blame."""
 
@@ -394,8 +399,7 @@ class GrammarCompiler:
                  tokenizer_spec: dict | None = None, workers: int | None = None):
         self.lltokenizer = lltokenizer
         self.cache_size = cache_size or int(os.environ.get("FASTDEPLOY_LP_GUIDED_CACHE_SIZE", 128))
-        self.compile_timeout_s = compile_timeout_s or float(
-            os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S", 5.0))
+        self.compile_timeout_s = compile_timeout_s or default_compile_timeout_s()
         self.limits = limits
         if workers is None:
             workers = int(os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_WORKERS", 2))
