@@ -81,6 +81,12 @@ class RequestStream:
 class AsyncLLMEngine:
     """Runs `engine.step()` on a daemon thread; `add_request` and streams live on the event loop.
 
+    A watchdog thread checks that the engine makes progress: if requests wait and no step computed
+    a token or finished a request for `stall_timeout_s` (a step that hangs, or steps that achieve
+    nothing), the engine is *stalled*: `is_serving` is False (the server's /health says 503, with
+    the reason), new requests are refused, and the waiting ones end with `EngineNotServingError` and
+    are aborted in the engine. Once a step makes progress again the engine serves again.
+
     `max_waiting_requests` bounds the sequences that wait for a free slot (a request with `n=k`
     counts `k`); a request that would exceed it raises `QueueFullError` (the server's 429).
     `observer`, if given, is called on the event loop as `observer(output, now, stream)` for every
@@ -88,10 +94,15 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 observer: Callable[[RequestOutput, float, RequestStream | None], None] | None = None):
+                 observer: Callable[[RequestOutput, float, RequestStream | None], None] | None = None,
+                 stall_timeout_s: float | None = 60.0):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {max_waiting_requests!r}")
+        if stall_timeout_s is not None and not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s: must be > 0 (or None for no watchdog), got {stall_timeout_s!r}")
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled: str | None = None  # why the engine counts as stuck, while it does
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}  # child id -> stream
@@ -109,6 +120,8 @@ class AsyncLLMEngine:
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="fastdeploy-lp-engine", daemon=True)
         self._thread.start()
+        if self.stall_timeout_s is not None:
+            threading.Thread(target=self._watch, name="fastdeploy-lp-engine-watchdog", daemon=True).start()
 
     def shutdown(self, timeout: float = 10.0, reason: str = "the engine has shut down") -> None:
         """Stop the engine thread after its current step; pending streams get `EngineNotServingError`."""
@@ -121,7 +134,8 @@ class AsyncLLMEngine:
 
     @property
     def is_serving(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return (self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+                and self.stalled is None)
 
     # -- state, read from any thread ------------------------------------------------------------
     @property
@@ -215,6 +229,29 @@ class AsyncLLMEngine:
                 except RuntimeError:  # the event loop is closed: nobody is listening any more
                     return
 
+    def _watch(self) -> None:
+        """The watchdog thread: marks the engine stalled, and serving again, as it (stops) making progress."""
+        while not self._stop.wait(min(1.0, self.stall_timeout_s / 4)):
+            engine = self.engine
+            idle = time.monotonic() - engine.last_progress
+            busy = engine.has_unfinished_requests()
+            if busy and idle > self.stall_timeout_s and self.stalled is None:
+                self.stalled = (f"the engine made no progress for {idle:.1f} s while requests waited "
+                                f"(stall timeout {self.stall_timeout_s:g} s)")
+                logger.error("%s; failing the requests it holds", self.stalled)
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_stalled, self.stalled)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    return
+            elif self.stalled is not None and (not busy or idle <= self.stall_timeout_s):
+                logger.warning("the engine makes progress again; serving")
+                self.stalled = None
+
+    def _fail_stalled(self, reason: str) -> None:
+        for request_id in {s.request_id for s in self._streams.values()}:
+            self.engine.abort_request(request_id)  # freed whenever the engine thread gets to them
+        self._fail_all(EngineNotServingError(reason))
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
@@ -237,6 +274,8 @@ class AsyncLLMEngine:
             s._put(error)
 
     def _not_serving_reason(self) -> str:
+        if self.stalled is not None:
+            return self.stalled
         if self.error is not None:
             return f"the engine stopped: {type(self.error).__name__}: {self.error}"
         if self._thread is None:
