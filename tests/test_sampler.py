@@ -21,8 +21,7 @@ class _NoDetok:
 
 def _request(slot, prompt=(1, 2), output=(), seed=0, **params):
     return Request(request_id=f"r{slot}", prompt_ids=list(prompt), params=SamplingParams(**params),
-                   detokenizer=_NoDetok(), args={}, slot=slot, output_ids=list(output),
-                   rng=np.random.Generator(np.random.Philox(seed)))
+                   detokenizer=_NoDetok(), args={}, slot=slot, output_ids=list(output), seed=seed)
 
 
 def _softmax(x):
@@ -179,3 +178,48 @@ def test_repeated_pairs_add_up_exactly_on_every_core():
         counts = paddle.zeros([4, 100])
         add_at(counts, [1] * 1000 + [3], [7] * 1000 + [2], [1.0] * 1000 + [0.5])
         assert float(counts[1, 7]) == 1000 and float(counts[3, 2]) == 0.5 and float(counts.sum()) == 1000.5
+
+
+def test_the_two_level_draw_matches_the_distribution_across_buckets():
+    vocab = 1300  # three buckets of 512 ids, the last one padded
+    logits = np.random.default_rng(1).normal(size=vocab).astype(np.float32) * 1.5
+    n = 6000
+    sampler = Sampler(n, vocab, eos_token_ids=[0])
+    requests = [_request(i, seed=i, temperature=1.0) for i in range(n)]
+    tokens = sampler.sample(paddle.to_tensor(np.tile(logits, (n, 1))), requests).tokens
+    ref = _softmax(logits.astype(np.float64))
+    groups = np.arange(vocab) // 100  # 13 groups of ids, spread over the buckets
+    np.testing.assert_allclose(np.bincount(groups[tokens], minlength=13) / n, np.bincount(groups, weights=ref),
+                               atol=0.02)
+    top = np.argsort(-ref)[:5]
+    np.testing.assert_allclose((tokens[:, None] == top).mean(axis=0), ref[top], atol=0.015)
+
+
+def test_a_rows_draw_ignores_its_neighbours_sampling_options():
+    vocab, n = 700, 300
+    rng = np.random.default_rng(2)
+    mine = rng.normal(size=(n, vocab)).astype(np.float32)
+    neighbour = rng.normal(size=(n, vocab)).astype(np.float32)
+    sampler = Sampler(2 * n, vocab, eos_token_ids=[0])
+    alone = sampler.sample(paddle.to_tensor(mine), [_request(i, seed=i, temperature=1.0) for i in range(n)]).tokens
+    mixed = np.stack([mine, neighbour], axis=1).reshape(2 * n, vocab)
+    requests = [r for i in range(n) for r in (_request(2 * i, seed=i, temperature=1.0),
+                                              _request(2 * i + 1, seed=7, top_k=3, top_p=0.5, min_p=0.1))]
+    beside = sampler.sample(paddle.to_tensor(mixed), requests).tokens[0::2]
+    assert (beside == alone).all()
+
+
+def test_a_1e_5_change_of_the_logits_rarely_changes_the_draw():
+    """Logits of one row can differ by ~1e-5 with its batch or after a preemption (the forward pass
+    is not bit-identical); an inverse CDF turned ~1 draw in 1000 into another token."""
+    vocab, n, batches = 3072, 2000, 8
+    sampler = Sampler(n, vocab, eos_token_ids=[0])
+    rng = np.random.default_rng(3)
+    changed = 0
+    for b in range(batches):
+        logits = rng.normal(size=(n, vocab)).astype(np.float32) * 2.5
+        noisy = logits + rng.normal(size=logits.shape).astype(np.float32) * 1e-5
+        requests = [_request(i, seed=b * n + i, temperature=1.0) for i in range(n)]
+        first = sampler.sample(paddle.to_tensor(logits), requests).tokens
+        changed += int((sampler.sample(paddle.to_tensor(noisy), requests).tokens != first).sum())
+    assert changed <= 2, f"{changed} of {n * batches} draws changed"

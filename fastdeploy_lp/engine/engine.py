@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -108,13 +109,13 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         requests = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = secrets.randbits(64) if params.seed is None else params.seed + i
             requests.append(Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}", group_id=request_id,
                 prompt_ids=ids, params=params, prompt=text, index=i, args=args,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                                    params.skip_special_tokens),
-                rng=np.random.Generator(np.random.Philox(seed)) if seed is not None else np.random.default_rng()))
+                seed=seed))
         return requests
 
     def enqueue(self, requests: list[Request]) -> None:
@@ -258,7 +259,6 @@ class LLMEngine:
             for token in queue:
                 if request.finished:
                     break
-                request.rng.random()  # keep the seeded stream where one sampled step per token leaves it
                 self._append(request, token, forced_logprob(request, token), now, finished)
             appended = True
         return appended

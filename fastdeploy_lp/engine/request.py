@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-import numpy as np
 
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
@@ -118,7 +117,7 @@ class Request:
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    rng: np.random.Generator | None = None  # per-request stream, so a seed is batch-independent
+    seed: int = 0                       # the draw of output token i depends only on (seed, i): sampler.py
     cached_len: int = 0                 # tokens of prompt + output whose keys/values are in `blocks`
     blocks: list[int] = field(default_factory=list)  # block table: KV blocks in position order
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks

@@ -6,8 +6,16 @@ and `bad_words` here, through the built-in processors] → `sample`: min_tokens 
 min_p → top-k/top-p → sample. Everything is batched on the logits' device; the only host transfer
 is the sampled ids (and the logprobs of requests that ask for them).
 
-Sampling is inverse-CDF with one uniform number per row drawn from the request's own generator,
-so a request with a seed produces the same text whatever else shares its batch.
+Seeded sampling depends on nothing but the request. The uniform number behind a row's draw is a
+function of the request's seed and the position of the token being drawn (`seeded_uniforms`: the
+position-th output of SplitMix64 started at the seed), and the draw is an inverse CDF over the
+row's own probabilities in token-id order, after the row's own temperature, min_p, top-k and
+top-p. So a neighbour's top-k, top-p or min_p cannot shift it (they change only their own rows;
+no row is sorted for another), a request preempted and resumed continues the same stream (its
+position is its output length, which it keeps), and forced tokens take positions without drawing
+(fast-forward on or off gives the same text). A request without a seed gets a random one. The
+numbers are made for the whole batch in one vectorised pass on the host, where the seeds and
+positions are, and reach the device in the one upload the batch needs anyway.
 """
 
 from __future__ import annotations
@@ -44,11 +52,41 @@ UNUSABLE = ("no token can be sampled: every logit is -inf, NaN or +inf after the
             "logit_bias removed, allowed tokens all outside the vocabulary, or a processor that wrote NaN)")
 
 
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+BUCKET = 512  # tokens per bucket of the two-level draw: sqrt-sized, so a row needs ~2 sqrt(vocab) numbers
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: np.ndarray, positions: np.ndarray, count: int) -> np.ndarray:
+    """[rows, count] float32 in (0, 1), a function of each row's (seed, position) alone: the
+    row's key is output `position + 1` of SplitMix64 seeded with `seed`, and its numbers are the
+    first `count` outputs of SplitMix64 seeded with that key (24 bits each: exact in float32)."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as SplitMix64 wants
+        key = _splitmix(seeds.astype(np.uint64) + (positions.astype(np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA)
+        steps = (np.arange(count, dtype=np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA
+        x = _splitmix(key[:, None] + steps[None, :])
+    return ((x >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+
+
+def _gumbel(uniforms: paddle.Tensor) -> paddle.Tensor:
+    return -paddle.log(-paddle.log(uniforms))
+
+
 @dataclass
 class SampleResult:
     tokens: np.ndarray                  # [rows] int64; undefined for failed rows
     logprobs: list[Logprob | None]      # per row, for requests that asked
     failures: dict[int, str] = field(default_factory=dict)  # row -> why that request cannot go on
+
+
+def _noise_count(vocab: int) -> int:
+    size = min(BUCKET, vocab)
+    return -(-vocab // size) + size
 
 
 def _uses_penalties(request: Request) -> bool:
@@ -87,8 +125,9 @@ class Sampler:
         """
         self.flush_counts()
         greedy = [r.params.greedy for r in requests]
-        # Drawn before any tensor work so that retrying rows one by one sees the same numbers.
-        uniforms = None if all(greedy) else np.array([[r.rng.random()] for r in requests], dtype=np.float32)
+        uniforms = None if all(greedy) else seeded_uniforms(
+            np.array([r.seed for r in requests], dtype=np.uint64),
+            np.array([len(r.output_ids) for r in requests], dtype=np.uint64), _noise_count(logits.shape[-1]))
         try:
             tokens, logprobs, unusable = self._sample(logits, requests, greedy, uniforms)
         except Exception:
@@ -178,28 +217,46 @@ class Sampler:
         if any(min_p):
             floor = paddle.to_tensor(min_p, dtype="float32").unsqueeze(1) * probs.max(axis=-1, keepdim=True)
             probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
+        probs = self._top_k_top_p(probs, requests)
+        return self._two_level_gumbel_max(probs, paddle.to_tensor(uniforms))
+
+    def _top_k_top_p(self, probs, requests):
+        """Zero what each row's own top-k and top-p leave out. Rows are sorted only to find each
+        one's smallest kept probability; the draw itself stays in token-id order, so whether a
+        neighbour made the batch sort changes nothing for a row (ties at that probability are kept)."""
         top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests]
         top_p = [r.params.top_p for r in requests]
-        uniforms = paddle.to_tensor(uniforms)
-        if min(top_k) >= logits.shape[-1] and min(top_p) >= 1.0:
-            return self._inverse_cdf(probs, uniforms)
-        order = paddle.argsort(probs, axis=-1, descending=True)
-        sorted_probs = paddle.take_along_axis(probs, order, axis=1)
-        rank = paddle.arange(logits.shape[-1], dtype="int64").unsqueeze(0)
-        keep = rank < paddle.to_tensor(top_k, dtype="int64").unsqueeze(1)
+        vocab = probs.shape[-1]
+        if min(top_k) >= vocab and min(top_p) >= 1.0:
+            return probs
+        sorted_probs = paddle.sort(probs, axis=-1, descending=True)
+        rank = paddle.arange(vocab, dtype="int64").unsqueeze(0)
+        top_p = paddle.to_tensor(top_p, dtype="float32").unsqueeze(1)
         mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep = paddle.logical_and(keep, paddle.logical_or(
-            mass_before < paddle.to_tensor(top_p, dtype="float32").unsqueeze(1), rank == 0))
-        sorted_probs = paddle.where(keep, sorted_probs, paddle.zeros_like(sorted_probs))
-        picked = self._inverse_cdf(sorted_probs, uniforms)
-        return paddle.take_along_axis(order, picked.unsqueeze(1), axis=1).squeeze(1)
+        # top_p >= 1 keeps everything even where float sums reach 1 before the last token.
+        in_p = paddle.logical_or(paddle.logical_or(mass_before < top_p, top_p >= 1.0), rank == 0)
+        keep = paddle.logical_and(rank < paddle.to_tensor(top_k, dtype="int64").unsqueeze(1), in_p)
+        kept = keep.astype("int64").sum(axis=-1, keepdim=True)  # keep is a prefix of the sorted row
+        threshold = paddle.take_along_axis(sorted_probs, kept - 1, axis=1)
+        return paddle.where(probs >= threshold, probs, paddle.zeros_like(probs))
 
     @staticmethod
-    def _inverse_cdf(probs, uniforms):
-        cdf = paddle.cumsum(probs, axis=-1)
-        target = uniforms * cdf[:, -1:]
-        index = paddle.searchsorted(cdf, target, right=True).squeeze(1)
-        return paddle.clip(index, max=probs.shape[-1] - 1)
+    def _two_level_gumbel_max(probs, uniforms):
+        """One token per row with probability `probs` (rows need not sum to 1), by the Gumbel-max
+        trick in two levels: pick a bucket of `BUCKET` consecutive ids with the bucket masses, then
+        a token inside it. Exact, and unlike an inverse CDF (where rounding anywhere before the drawn
+        token moves its boundaries) only a near tie between the two best scores of a level can
+        turn a 1e-5 change of the logits into another token. `uniforms` is [rows, buckets + BUCKET]."""
+        rows, vocab = probs.shape
+        size = min(BUCKET, vocab)
+        buckets = -(-vocab // size)
+        if buckets * size != vocab:
+            probs = paddle.concat([probs, paddle.zeros([rows, buckets * size - vocab], dtype=probs.dtype)], axis=1)
+        probs = probs.reshape([rows, buckets, size])
+        bucket = paddle.argmax(paddle.log(probs.sum(axis=-1)) + _gumbel(uniforms[:, :buckets]), axis=-1)
+        inside = paddle.take_along_axis(probs, bucket.reshape([rows, 1, 1]).expand([rows, 1, size]), axis=1)
+        token = paddle.argmax(paddle.log(inside.squeeze(1)) + _gumbel(uniforms[:, buckets:buckets + size]), axis=-1)
+        return bucket * size + token
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def record_token(self, request: Request, token: int) -> None:
