@@ -7,7 +7,7 @@ leaves under chunked prefill and preemption. `SlotScheduler` is where it is writ
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +56,8 @@ class SlotScheduler:
     A request holds a slot from admission to its end. While its prompt is computed, chunk by chunk
     within the step's token budget, its slot stays stopped in `share_inputs`; it *joins* (becomes
     active there) in the step that computes its last prompt token, whose logits give its first
-    token. Running requests are scheduled before prompts. When a running request needs a block and
+    token. Running requests are scheduled before prompts; a free slot goes to the waiting request
+    whose call holds the fewest slots (`_next_waiting`). When a running request needs a block and
     none is free, the most recently admitted request is preempted: it leaves its slot (processors
     see it finish), keeps its output, and later rejoins through the waiting queue, recomputing its
     prompt and output (mostly from the prefix cache).
@@ -104,11 +105,11 @@ class SlotScheduler:
             budget = None if budget is None else budget - len(chunk.tokens)
         rejected = []
         while self.waiting and (budget is None or budget > 0) and None in self.slots:
-            request = self.waiting[0]
+            request = self._next_waiting()
             chunk = self._admit(request, budget, first=not chunks)
             if chunk is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             chunks.append(chunk)
             budget = None if budget is None else budget - len(chunk.tokens)
         joined = []
@@ -121,6 +122,19 @@ class SlotScheduler:
                 except Exception as e:  # a value its slot cannot hold: it fails alone
                     rejected.append((chunk.request, e))
         return [c for c in chunks if not c.request.active], joined, rejected
+
+    def _next_waiting(self) -> Request:
+        """The waiting request a free slot goes to: the first, in queue order, of those whose call
+        (`group_id`, shared by its `n` choices) holds the fewest slots. A call with a large `n`
+        then takes turns with the others instead of holding every slot until all its choices end."""
+        held = Counter(r.group_id for r in self.holding)
+        best, fewest = self.waiting[0], held[self.waiting[0].group_id]
+        for request in self.waiting:
+            if fewest == 0:
+                break
+            if held[request.group_id] < fewest:
+                best, fewest = request, held[request.group_id]
+        return best
 
     def _chunk(self, request: Request, budget: int | None, first: bool, preempt: bool = False) -> Chunk | None:
         """The next piece of `request`'s prompt that fits the budget and the free blocks (with
