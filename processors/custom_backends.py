@@ -6,13 +6,17 @@ provides:
 
 * `async def get_custom_guided_decoding_logits_processor(request, tokenizer)` → a per-request
   `proc(input_ids, scores) -> scores` (input_ids: the tokens generated so far; scores: the
-  request's 1-D Paddle logits row, modified in place and returned), or None;
+  request's 1-D Paddle logits row, modified in place and returned), or None when the backend does
+  not constrain the request (then the request must not ask for a constraint);
 * optionally `async def set_custom_guided_decoding_parameters(request)`, awaited once before
   generation; the `contextvars` it sets are visible to the processor;
 * optionally `async def get_guided_decoding_constrained_generator(response, raw_request)`, which
   rewrites the final response (or wraps the stream).
 
 Loading runs the directory's code, so it needs the operator's explicit `--trust-custom-code`.
+A backend that raises or exits while it is imported is a start-up error naming it. Its hooks and
+processors run under the time limits of built-in guided decoding, on threads of their own, and
+whatever they return is checked (docs/generation_extensions.md, "When a backend misbehaves").
 """
 
 from __future__ import annotations
