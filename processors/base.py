@@ -29,6 +29,7 @@ only that, as vLLM's v1 processors do.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar, TypedDict
@@ -58,21 +59,23 @@ class LogitsProcessorArgs(dict):
 
 
 class ShareInputs(TypedDict):
-    """What `update_state` receives: one entry per engine slot in every field (version
-    `SHARE_INPUTS_VERSION`; docs/logits_processors.md describes each field). Host arrays and lists;
-    processors read them and write only `forced_tokens`."""
+    """One entry per engine slot in every field (version `SHARE_INPUTS_VERSION`;
+    docs/logits_processors.md describes each field). The engine keeps one of these; `update_state`
+    receives a step view of it (`step_view.py`): the processor's own dict, read-only arrays, tuples
+    of read-only per-slot values, and its own `forced_tokens` lists, the one field it writes (its
+    result, checked before the engine uses it)."""
 
     stop_flags: np.ndarray                        # bool [slots]: True = free, or its request finished
-    req_ids: list[str | None]                     # the request id in the slot (ids may repeat)
-    logits_processors_args: list[LogitsProcessorArgs]  # the request's args (an empty one when none)
-    prompt_ids: list[np.ndarray]                  # int64: the prompt's token ids
+    req_ids: Sequence[str | None]                 # the request id in the slot (ids may repeat)
+    logits_processors_args: Sequence[LogitsProcessorArgs]  # the request's args (an empty one when none)
+    prompt_ids: Sequence[np.ndarray]              # int64: the prompt's token ids
     prompt_lens: np.ndarray                       # int64 [slots]
-    output_ids: list[list[int]]                   # tokens generated so far (the request's live list)
+    output_ids: Sequence[Sequence[int]]           # tokens generated so far (a live view of the request's list)
     step_idx: np.ndarray                          # int64 [slots]: number of tokens generated so far
     next_tokens: np.ndarray                       # int64 [slots]: the last generated token, -1 before
-    sampling_params: list[SamplingParams | None]  # the request's full sampling parameters
+    sampling_params: Sequence[SamplingParams | None]  # the request's full sampling parameters
     admission_ids: np.ndarray                     # int64 [slots]: unique per admission, -1 never used
-    forced_tokens: list[list[int]]                # written in update_state: tokens certain to come next
+    forced_tokens: list[list[int]]                # appended to in update_state: tokens certain to come next
     temperature: np.ndarray                       # float32 [slots]: the request's sampling fields ...
     top_p: np.ndarray
     top_k: np.ndarray                             # int64
