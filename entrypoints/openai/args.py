@@ -159,6 +159,9 @@ def _add_limit_args(server) -> None:
     server.add_argument("--max-sequences-per-request", type=_positive_int, default=limits.max_sequences_per_request,
                         help="Most sequences one request submits at once: prompts x n (a completions batch of "
                              "P prompts with n choices is P*n); more get a 400.")
+    server.add_argument("--max-stop", type=_positive_int, default=limits.max_stop,
+                        help="Most entries in stop and in stop_token_ids (each; both are checked after every "
+                             "token); more get a 400.")
     server.add_argument("--max-bad-words", type=_positive_int, default=limits.max_bad_words,
                         help="Most entries in bad_words, logits_processors_args.bad_words and "
                              "logits_processors_args.bad_words_token_ids (each); more get a 400.")
@@ -180,7 +183,7 @@ def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
         raise ValueError(f"--max-n: at most {MAX_N}, got {args.max_n}")
     return RequestLimits(max_messages=args.max_messages, max_bad_words=args.max_bad_words,
                          max_bad_word_length=args.max_bad_word_length, max_n=args.max_n,
-                         max_sequences_per_request=args.max_sequences_per_request)
+                         max_sequences_per_request=args.max_sequences_per_request, max_stop=args.max_stop)
 
 
 def _add_cache_args(cache) -> None:

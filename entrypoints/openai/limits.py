@@ -1,8 +1,8 @@
 """Per-request limits, checked on the parsed JSON before anything else looks at it.
 
 A body of a few kilobytes can ask for far more work than it weighs: 20,000 chat messages to
-template and tokenize, 5,000 bad words each turned into a row of a per-step match table, `n=128`
-sequences holding every slot. These checks count list lengths and string sizes only (no
+template and tokenize, 5,000 bad words each turned into a row of a per-step match table, 5,000
+stop strings searched after every token, `n=128` sequences holding every slot. These checks count list lengths and string sizes only (no
 validation model, no tokenizer), so an over-limit request gets its 400 in microseconds.
 The flags are in `args.py`; `docs/server.md` lists them with their defaults.
 """
@@ -21,11 +21,14 @@ class RequestLimits:
     max_bad_word_length: int = 128        # characters of a word, ids of a banned sequence (--max-bad-word-length)
     max_n: int = 16                       # choices per prompt (--max-n)
     max_sequences_per_request: int = 256  # prompts x n of one request (--max-sequences-per-request)
+    max_stop: int = 64                    # entries of stop and of stop_token_ids, checked every token (--max-stop)
 
     def check(self, body: dict) -> None:
         """400 naming the first field over a limit. Values of the wrong type are left to the
         request model, which reports them."""
         self._check_count(body, "messages", self.max_messages, "--max-messages")
+        self._check_count(body, "stop", self.max_stop, "--max-stop")
+        self._check_count(body, "stop_token_ids", self.max_stop, "--max-stop")
         n = body.get("n")
         n = n if _integer(n) else 1
         if n > self.max_n:
