@@ -208,8 +208,8 @@ def test_a_hanging_compile_ends_the_request_within_the_compile_limit_and_blocks_
     start = time.monotonic()
     waiter.start()
     time.sleep(0.2)
-    _served(server)  # the event loop is free while the backend hangs
-    assert time.monotonic() - start < COMPILE_LIMIT_S
+    _served(server)
+    assert time.monotonic() - start < 10  # the hook used to hold the event loop for its whole 120 s
     waiter.join(30)
     assert time.monotonic() - start < COMPILE_LIMIT_S + 3
     r = result["r"]
