@@ -193,8 +193,7 @@ class _Stage:
         rows = _active_rows(share_inputs)
         queues = share_inputs["forced_tokens"]
         for i, p in enumerate(self.processors):
-            enabled = {slot for slot, a, sp in rows if type(p).is_enabled_by(a, sp)}
-            self._enabled[i] = bool(enabled)
+            self._enabled[i] = any(type(p).is_enabled_by(a, sp) for _, a, sp in rows)
             mine = StepView.for_processor(view, queues)
             published = mine["forced_tokens"]  # read from here: the processor may drop the key
             start = time.perf_counter()
@@ -205,24 +204,28 @@ class _Stage:
                 if not _raised(e):
                     raise
                 error = e
-            for e in self._take_forced(i, error, published, enabled, queues):
+            for e in self._take_forced(i, error, published, rows, queues):
                 self._record_failure(i, e, rows, failures)
             elapsed = time.perf_counter() - start
             self.timings[self.names[i]].update_state_seconds += elapsed
             self._step_seconds[i] = elapsed
             self._check_time(i, rows, failures)
 
-    def _take_forced(self, i, error, published, enabled: set[int], queues) -> list[BaseException]:
+    def _take_forced(self, i, error, published, rows, queues) -> list[BaseException]:
         """Queue processor i's forced tokens if its result passes the checks; return its failures.
 
-        A processor that failed as a whole publishes nothing. One that failed only some requests
-        (`RequestFailures`) still publishes for its other requests: it may already count on them."""
-        failed = set(error.failures) if isinstance(error, RequestFailures) else None
-        if error is not None and (failed is None or not failed <= enabled):
+        A processor that failed as a whole publishes nothing. One that failed only some of its
+        requests (`RequestFailures`) still publishes for the others: it may already count on them."""
+        failed = set(error.failures) if isinstance(error, RequestFailures) else set()
+        if error is not None and not failed:
             return [error]
         try:
-            result = ForcedTokens.read(self.names[i], queues, published).without(failed or set())
-            result.check(enabled - (failed or set()), self.vocab_size, queues, self.max_forced)
+            result = ForcedTokens.read(self.names[i], queues, published).without(failed)
+            if result.tokens or failed:
+                enabled = {slot for slot, a, sp in rows if type(self.processors[i]).is_enabled_by(a, sp)}
+                if not failed <= enabled:  # it blamed requests it does not serve: its own failure
+                    return [error]
+                result.check(enabled - failed, self.vocab_size, queues, self.max_forced)
         except ForcedTokensError as e:
             return [x for x in (error, e) if x is not None]
         result.append_to(queues)

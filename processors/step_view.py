@@ -37,6 +37,9 @@ class ReadOnlyArgs(LogitsProcessorArgs):
     __setitem__ = __delitem__ = __ior__ = _refuse
     pop = popitem = clear = update = setdefault = _refuse
 
+    def __reduce__(self):  # pickle and copy would otherwise rebuild it item by item, through __setitem__
+        return type(self), (dict(self),)
+
 
 class ReadOnlyTokens(Sequence):
     """A read-only live view of a request's token list: it grows as the engine appends, and a

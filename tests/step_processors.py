@@ -7,7 +7,7 @@ import time
 
 from pydantic import BaseModel
 
-from fastdeploy_lp.processors import LogitsProcessor
+from fastdeploy_lp.processors import LogitsProcessor, RequestFailures
 
 
 class StepAttackArgs(BaseModel):
@@ -17,6 +17,7 @@ class StepAttackArgs(BaseModel):
     overwrite: bool | None = None       # writes into every array and list of share_inputs it can reach
     hang_s: float | None = None         # sleeps this long in its first update_state
     interrupt_after: int | None = None  # raises KeyboardInterrupt once the request has this many tokens
+    fail: bool | None = None            # named in a RequestFailures raised after every attack of the step
 
 
 class StepAttackLogitsProcessor(LogitsProcessor):
@@ -32,6 +33,9 @@ class StepAttackLogitsProcessor(LogitsProcessor):
         active = [slot for slot, stopped in enumerate(share_inputs["stop_flags"]) if not stopped]
         for slot in active:
             self._attack(share_inputs, slot, share_inputs["logits_processors_args"][slot], active)
+        failing = {slot: "asked to fail" for slot in active if share_inputs["logits_processors_args"][slot].fail}
+        if failing:
+            raise RequestFailures(failing)
 
     def _attack(self, share_inputs, slot, args, active):
         if args.force_token is not None:

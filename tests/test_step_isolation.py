@@ -61,6 +61,12 @@ def test_valid_forced_tokens_of_an_enabled_request_still_land(llm):
     assert out.finish_reason == "length" and out.token_ids == [11, 11, 11, 11]
 
 
+def test_a_processor_failing_some_requests_still_forces_for_the_others(llm):
+    outs = run(llm, PROMPTS[:2], [greedy(max_tokens=3, force_token=11, fail=True), greedy(max_tokens=3, force_token=12)])
+    assert outs[0].finish_reason == "error" and "asked to fail" in outs[0].error
+    assert outs[1].finish_reason == "length" and outs[1].token_ids == [12, 12, 12]
+
+
 def test_an_exception_outside_request_isolation_fails_the_batch_not_the_engine(llm, reference):
     """A detokenizer that raises on a forced token fails outside any processor's isolation: the
     step's requests end with an error naming it, and the engine serves the next request."""
