@@ -37,6 +37,20 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPES[key]
 
 
+QUANTIZATIONS = ("wint8",)
+
+
+def normalize_quantization(quantization: str | None) -> str | None:
+    """None (weights as `dtype` says) or `wint8` (int8 weight-only, FastDeploy's name)."""
+    key = None if quantization is None else str(quantization).strip().lower()
+    if key in (None, "", "none"):
+        return None
+    if key not in QUANTIZATIONS:
+        hint = " (int4 is not implemented: the int8 kernel's structure does not carry over)" if key == "wint4" else ""
+        raise ValueError(f"quantization: unsupported value {quantization!r}{hint}; use wint8 or none")
+    return key
+
+
 class UnsupportedCheckpointError(ValueError):
     """A checkpoint asks for something the decoder does not implement: a config switch or value, a
     tensor it would not use, a missing tensor or one of the wrong shape. The message names it."""
@@ -97,6 +111,10 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gate activation, one of HIDDEN_ACTIVATIONS
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the dtype the engine computes in (set by FDConfig)
+    # How linear weights and the embedding are held (set by FDConfig): on CPU a bfloat16/float16
+    # checkpoint stays 2 bytes a weight while the engine computes in float32.
+    weight_dtype: str = "float32"
+    quantization: str | None = None  # "wint8": linear weights int8 with a float32 scale per output row
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -354,7 +372,8 @@ class FDConfig:
                device: str | None = None, dtype: str | None = None,
                logits_processors: list[str] | None = None,
                guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-               logits_processor_timeout_s: float | None = 2.0, tensor_parallel_size: int = 1) -> "FDConfig":
+               logits_processor_timeout_s: float | None = 2.0, tensor_parallel_size: int = 1,
+               quantization: str | None = None) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
         from .distributed.checks import check_tensor_parallel
@@ -362,10 +381,15 @@ class FDConfig:
         check_tensor_parallel(model_config, device, tensor_parallel_size)  # before any weight loads
         if dtype in (None, "auto"):
             dtype = model_config.checkpoint_dtype
-        dtype = normalize_dtype(dtype)
+        dtype = model_config.weight_dtype = normalize_dtype(dtype)
+        model_config.quantization = normalize_quantization(quantization)
+        if model_config.quantization and not device.startswith("cpu"):
+            raise ValueError(f"quantization: {model_config.quantization} runs on CPU only so far (its kernels "
+                             f"are the CPU ones); on {device} use dtype bfloat16 or float16")
         if device.startswith("cpu") and dtype != "float32":
-            # Paddle's CPU matmul has no bfloat16/float16 kernels: compute in float32 there.
-            logger.info("dtype %s is not supported for CPU matmul; computing in float32", dtype)
+            # Paddle's CPU matmul has no bfloat16/float16 kernels: compute in float32, keep the
+            # weights as they are (the CPU linear kernels widen them in registers).
+            logger.info("dtype %s: weights held as %s, computing in float32 on CPU", dtype, dtype)
             dtype = "float32"
         model_config.dtype = dtype
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:

@@ -43,6 +43,25 @@ def test_linear_matches_paddle(kernels, rows, k, with_bias):
     np.testing.assert_allclose(kernels.linear(x, w, bias).numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 12])
+@pytest.mark.parametrize("k", [64, 903])
+def test_linear_with_half_and_int8_weights_matches_their_float32_values(kernels, dtype, rows, k):
+    """Weights widened in registers give the float32 product of the values they hold."""
+    rng = np.random.default_rng(rows + k)
+    x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
+    bias = paddle.to_tensor(rng.standard_normal(131, dtype=np.float32))
+    scale = None
+    if dtype == "int8":
+        w = paddle.to_tensor(rng.integers(-127, 128, (131, k), dtype=np.int8))
+        scale = paddle.to_tensor(rng.uniform(0.001, 0.02, 131).astype(np.float32))
+    else:
+        w = paddle.to_tensor(rng.standard_normal((131, k), dtype=np.float32)).astype(dtype)
+    want = paddle.matmul(x, w.astype("float32"), transpose_y=True) * (1 if scale is None else scale) + bias
+    got = kernels.linear(x, w, bias, scale)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
+
+
 def test_linear_reads_a_row_slice_where_it_starts(kernels):
     x = paddle.randn([6, 32])
     w = paddle.randn([20, 32])

@@ -27,7 +27,8 @@ def build_engine(model: str | None = None, *, logits_processors: list[str] | tup
                  tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
                  guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
                  custom_guided_decoding_backends: dict[str, Any] | None = None,
-                 cache_config: CacheConfig | None = None, tensor_parallel_size: int = 1) -> LLMEngine:
+                 cache_config: CacheConfig | None = None, tensor_parallel_size: int = 1,
+                 quantization: str | None = None) -> LLMEngine:
     """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
 
     Cheap checks come first (processor list, guided-decoding backend, reasoning parser, tool
@@ -49,7 +50,7 @@ def build_engine(model: str | None = None, *, logits_processors: list[str] | tup
                                 dtype=dtype, logits_processors=list(logits_processors or []),
                                 guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
                                 logits_processor_timeout_s=logits_processor_timeout_s,
-                                tensor_parallel_size=tensor_parallel_size)
+                                tensor_parallel_size=tensor_parallel_size, quantization=quantization)
     fd_config.custom_guided_decoding_backends = custom
     fd_config.cache_config = cache_config or CacheConfig()
     fd_config.guided_whitespace_pattern = guided_whitespace_pattern
@@ -85,7 +86,7 @@ class LLM:
                  block_size: int = 16, kv_cache_memory: float = 4.0, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
-                 tensor_parallel_size: int = 1, **unsupported: Any):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, **unsupported: Any):
         if unsupported:
             raise ValueError(f"{next(iter(unsupported))}: not an LLM() argument")
         cache_config = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -99,7 +100,7 @@ class LLM:
                                    tool_functions=tool_functions, logits_processor_timeout_s=logits_processor_timeout_s,
                                    guided_whitespace_pattern=guided_whitespace_pattern,
                                    reasoning_parser=reasoning_parser, cache_config=cache_config,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size, quantization=quantization)
         self.fd_config = self.engine.fd_config
         self.tokenizer = self.engine.tokenizer
 

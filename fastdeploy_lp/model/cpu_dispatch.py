@@ -8,7 +8,8 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 | op          | buckets                       | measured on                                          |
 |-------------|-------------------------------|------------------------------------------------------|
 | `linear`    | 1, 2-8, 9-16, 17-32 rows      | the model's own q/k/v, o, gate/up and down weights,   |
-|             | (timed at 1, 8, 16, 32)       | read in 32 MB sets in turn, cold as in a decode step |
+|             | (timed at 1, 8, 16, 32)       | in their format (float32, 16-bit or int8), read in    |
+|             |                               | 32 MB sets in turn, cold as in a decode step         |
 | `transpose` | decode (8 rows), prefill (64) | a `[2 * intermediate, rows]` product                 |
 | `swiglu`    | decode (32 rows), prefill (256)| `[rows, 2 * intermediate]`                          |
 | `rotary`    | decode (8 tokens), prefill (256)| layer 0's heads, a paged batch                     |
@@ -36,7 +37,7 @@ import paddle
 import paddle.nn.functional as F
 
 from . import cpu_features, cpu_kernels
-from .layers import AttentionBatch
+from .layers import AttentionBatch, paddle_linear
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,11 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
     with paddle.no_grad():
         weights = _weight_sets(model)
         for rows, name in cpu_kernels.LINEAR_BUCKETS:
-            xs = {k: paddle.randn([rows, k]) for k in {w.shape[1] for w in itertools.chain(*weights)}}
+            xs = {k: paddle.randn([rows, k]) for k in {w.shape[1] for w, _ in itertools.chain(*weights)}}
             sets = itertools.cycle(weights)  # shared: consecutive timings read different sets
             plan[f"linear:{name}"] = _kernel_wins(
-                lambda: [kernels.linear(xs[w.shape[1]], w) for w in next(sets)],
-                lambda: [paddle.matmul(w, xs[w.shape[1]], transpose_y=True) for w in next(sets)])
+                lambda: [kernels.linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)],
+                lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)])
         width = model.layers[0].mlp.gate_up_weight.shape[0]
         for bucket, rows in (("decode", 8), ("prefill", 64)):
             product = paddle.randn([width, rows])
@@ -133,13 +134,14 @@ def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) 
     return statistics.median(times[0]) < statistics.median(times[1])
 
 
-def _weight_sets(model) -> list[list[paddle.Tensor]]:
-    """The decoder layers' linear weights in model order, cut into sets of about SET_BYTES."""
+def _weight_sets(model) -> list[list[tuple[paddle.Tensor, paddle.Tensor | None]]]:
+    """The decoder layers' linear weights (and int8 scales) in model order, in sets of about SET_BYTES."""
     sets, current, size = [], [], 0
     for layer in model.layers:
-        for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
-                  layer.mlp.down_weight):
-            current.append(w)
+        attn, mlp = layer.self_attn, layer.mlp
+        for w, scale in ((attn.qkv_weight, attn.qkv_weight_scale), (attn.o_weight, attn.o_weight_scale),
+                         (mlp.gate_up_weight, mlp.gate_up_weight_scale), (mlp.down_weight, mlp.down_weight_scale)):
+            current.append((w, scale))
             size += w.size * w.element_size()
             if size >= SET_BYTES:
                 sets.append(current)
@@ -161,7 +163,7 @@ def _signature(model, block_size: int) -> str:
     cfg, attn = model.config, model.layers[0].self_attn
     shapes = [tuple(w.shape) for w in (attn.qkv_weight, attn.o_weight, model.layers[0].mlp.gate_up_weight,
                                        model.layers[0].mlp.down_weight)]
-    return json.dumps([shapes, cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+    return json.dumps([shapes, str(attn.qkv_weight.dtype), cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        attn.q_norm is None, block_size, cpu_kernels.threads()])
 
 

@@ -46,22 +46,35 @@ class DecoderForCausalLM(nn.Layer):
         self.shard = shard
         self.vocab_range = (0, config.vocab_size) if shard is None else shard.part(config.vocab_size)
         vocab = self.vocab_range[1] - self.vocab_range[0]
-        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        # The embedding and the LM head are held like the linear weights, but never as int8: a
+        # lookup then costs nothing to widen, and the head keeps the checkpoint's precision.
+        zeros = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
+        compute_dtype = paddle.get_default_dtype()
+        paddle.set_default_dtype(config.weight_dtype)
+        try:
+            self.embed_tokens = nn.Embedding(vocab, config.hidden_size, weight_attr=zeros)
+        finally:
+            paddle.set_default_dtype(compute_dtype)
         self.layers = nn.LayerList([DecoderLayer(config, shard) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.lm_head = (None if config.tie_word_embeddings  # [vocab, hidden], like the embedding
-                        else self.create_parameter([vocab, config.hidden_size]))
+                        else self.create_parameter([vocab, config.hidden_size], dtype=config.weight_dtype,
+                                                   default_initializer=nn.initializer.Constant(0.0)))
 
     def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         """Token embeddings; sharded, each rank looks up the ids in its rows (zeros for the others)
         and the ranks' results are summed."""
         if self.shard is None:
-            return self.embed_tokens(input_ids)
+            return self._lookup(input_ids)
         start, end = self.vocab_range
         mine = (input_ids >= start) & (input_ids < end)
-        x = self.embed_tokens(paddle.where(mine, input_ids - start, paddle.zeros_like(input_ids)))
+        x = self._lookup(paddle.where(mine, input_ids - start, paddle.zeros_like(input_ids)))
         return self.shard.all_reduce(x * mine.unsqueeze(-1).astype(x.dtype))
+
+    def _lookup(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if x.dtype == self.norm.weight.dtype else x.astype(self.norm.weight.dtype)
 
     def forward(self, input_ids: paddle.Tensor, batch: AttentionBatch, kv_caches=None) -> paddle.Tensor:
         x = self.embed(input_ids)

@@ -35,8 +35,22 @@ def kernels_for(x: paddle.Tensor, op: str, rows: int) -> cpu_kernels.CpuKernels 
     return cpu_kernels.for_op(op, rows)
 
 
-def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-    """`x @ weight^T + bias` for a weight in Hugging Face's `[out, in]` layout.
+def linear_weight(layer: nn.Layer, shape: list[int], config: ModelConfig) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """A linear weight `[out, in]` as `config` holds it, and its per-row scale (None but for int8):
+    `config.weight_dtype`, or int8 with a float32 scale per output row under `wint8`. Zeros until a
+    checkpoint (the loader) or the trainer fills them: a random init of a 7B model would cost
+    minutes for values that are overwritten."""
+    zeros = nn.initializer.Constant(0.0)
+    if config.quantization == "wint8":
+        return (layer.create_parameter(shape, dtype="int8", default_initializer=zeros),
+                layer.create_parameter(shape[:1], dtype="float32", default_initializer=zeros))
+    return layer.create_parameter(shape, dtype=config.weight_dtype, default_initializer=zeros), None
+
+
+def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
+           scale: paddle.Tensor | None = None) -> paddle.Tensor:
+    """`(x @ weight^T) * scale + bias` for a weight in Hugging Face's `[out, in]` layout, held as
+    float32, bfloat16, float16, or int8 with its per-row `scale` (`linear_weight`).
 
     On CPU, timed over the bench model's weights read cold as in a decode step (2 cores, AVX-512):
     up to 32 rows may go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads
@@ -46,7 +60,19 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     """
     rows = x.shape[0]
     if rows <= cpu_kernels.KERNEL_ROWS and (kernels := kernels_for(x, "linear", rows)) is not None:
-        return kernels.linear(x, weight, bias)
+        return kernels.linear(x, weight, bias, scale)
+    return paddle_linear(x, weight, bias, scale)
+
+
+def paddle_linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
+                  scale: paddle.Tensor | None = None) -> paddle.Tensor:
+    """`linear` in Paddle's ops. A weight held in another dtype than x (Paddle's CPU matmul has no
+    bfloat16, float16 or int8 kernel) is widened for this product only: one layer at a time, never
+    a float32 copy of the model."""
+    if weight.dtype != x.dtype:
+        weight = weight.astype(x.dtype)
+        weight = weight if scale is None else weight * scale.astype(x.dtype).unsqueeze(1)
+    rows = x.shape[0]
     if rows <= _FEW_ROWS and x.place.is_cpu_place():
         out = paddle.matmul(weight, x, transpose_y=True)
         # A contiguous result: later ops copied the transposed view at ~1 GB/s.
@@ -275,10 +301,10 @@ class Attention(nn.Layer):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_weight = self.create_parameter([self.q_size + 2 * self.kv_size, hidden])  # [out, in]
+        self.qkv_weight, self.qkv_weight_scale = linear_weight(self, [self.q_size + 2 * self.kv_size, hidden], config)
         self.qkv_bias = (self.create_parameter([self.q_size + 2 * self.kv_size], is_bias=True)
                          if config.attention_bias else None)
-        self.o_weight = self.create_parameter([hidden, self.q_size])
+        self.o_weight, self.o_weight_scale = linear_weight(self, [hidden, self.q_size], config)
         self.o_bias = self.create_parameter([hidden], is_bias=True) if config.o_proj_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -286,7 +312,7 @@ class Attention(nn.Layer):
 
     def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
         # x: [tokens, hidden] (the batch is flattened to tokens)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_weight_scale)
         if kv_cache is None:
             return self._project(self._causal(*self._rotated(qkv, batch, rotary)))
         kernels = kernels_for(qkv, "rotary", qkv.shape[0]) if self.q_norm is None else None
@@ -331,8 +357,9 @@ class Attention(nn.Layer):
 
     def _project(self, out):
         if self.shard is None:
-            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias)
-        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight))  # row-parallel
+            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias, self.o_weight_scale)
+        # Row-parallel; each rank's int8 scales are its own columns', applied before the sum.
+        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight, None, self.o_weight_scale))
         return out if self.o_bias is None else out + self.o_bias
 
     def _causal(self, q, k, v):
@@ -394,14 +421,15 @@ class MLP(nn.Layer):
         self.act = activation(config.hidden_act)
         # silu(gate) * up in one fused kernel that also splits gate_up: 2x faster than split, silu, mul
         self.fused_swiglu = config.hidden_act in ("silu", "swish")
-        self.gate_up_weight = self.create_parameter([2 * self.intermediate, config.hidden_size])  # [out, in]
-        self.down_weight = self.create_parameter([config.hidden_size, self.intermediate])
+        self.gate_up_weight, self.gate_up_weight_scale = linear_weight(
+            self, [2 * self.intermediate, config.hidden_size], config)
+        self.down_weight, self.down_weight_scale = linear_weight(self, [config.hidden_size, self.intermediate], config)
         self.gate_up_bias = (self.create_parameter([2 * self.intermediate], is_bias=True)
                              if config.mlp_bias else None)
         self.down_bias = self.create_parameter([config.hidden_size], is_bias=True) if config.mlp_bias else None
 
     def forward(self, x):
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_scale)
         if self.fused_swiglu and (kernels := kernels_for(gate_up, "swiglu", gate_up.shape[0])) is not None:
             hidden = kernels.swiglu(gate_up)  # 25 vs 90 ms for Paddle's CPU swiglu on [4096, 2 x 4864]
         elif self.fused_swiglu:
@@ -410,6 +438,6 @@ class MLP(nn.Layer):
             gate, up = paddle.split(gate_up, 2, axis=-1)
             hidden = self.act(gate) * up
         if self.shard is None:
-            return linear(hidden, self.down_weight, self.down_bias)
-        out = self.shard.all_reduce(linear(hidden, self.down_weight))  # row-parallel
+            return linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale)
+        out = self.shard.all_reduce(linear(hidden, self.down_weight, None, self.down_weight_scale))  # row-parallel
         return out if self.down_bias is None else out + self.down_bias

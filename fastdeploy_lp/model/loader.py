@@ -235,45 +235,75 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
         paddle.set_default_dtype("float32")
     model.eval()
     split = {} if shard is None else sharded_axes(config)
-    raw = ckpt.read({aliases.get(n, n) for n in expected_tensors(config) if n not in split})
 
-    def take(name: str) -> paddle.Tensor:
-        stored = aliases.get(name, name)
-        if name in split:
-            axis = split[name]
-            return ckpt.read_part(stored, axis, *shard.part(ckpt.shapes[stored][axis])).astype(config.dtype)
-        return raw[stored].astype(config.dtype)
-
-    state = {"embed_tokens.weight": take(_EMBED), "norm.weight": take("model.norm.weight")}
-    for i in range(config.num_hidden_layers):
-        attn, mlp, p = _ATTN.format(i=i), _MLP.format(i=i), f"layers.{i}."
-        state[p + "self_attn.qkv_weight"] = paddle.concat([take(attn + f"{x}_proj.weight") for x in "qkv"])
-        if config.attention_bias:
-            state[p + "self_attn.qkv_bias"] = paddle.concat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-        state[p + "self_attn.o_weight"] = take(attn + "o_proj.weight")
-        if config.o_proj_bias:
-            state[p + "self_attn.o_bias"] = take(attn + "o_proj.bias")
-        if config.qk_norm:
-            state[p + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
-            state[p + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
-        state[p + "mlp.gate_up_weight"] = paddle.concat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        state[p + "mlp.down_weight"] = take(mlp + "down_proj.weight")
-        if config.mlp_bias:
-            state[p + "mlp.gate_up_bias"] = paddle.concat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
-            state[p + "mlp.down_bias"] = take(mlp + "down_proj.bias")
-        state[p + "input_layernorm.weight"] = take(f"model.layers.{i}.input_layernorm.weight")
-        state[p + "post_attention_layernorm.weight"] = take(f"model.layers.{i}.post_attention_layernorm.weight")
-    if not config.tie_word_embeddings:
-        state["lm_head"] = take(_HEAD)
+    def take(*names: str) -> paddle.Tensor:
+        """The named checkpoint tensors (this rank's part of split ones), concatenated on rows."""
+        parts = []
+        for name in names:
+            stored = aliases.get(name, name)
+            if name in split:
+                axis = split[name]
+                parts.append(ckpt.read_part(stored, axis, *shard.part(ckpt.shapes[stored][axis])))
+            else:
+                parts.append(ckpt.read([stored])[stored])
+        return parts[0] if len(parts) == 1 else paddle.concat(parts)
 
     params = model.state_dict()
-    if set(params) != set(state):  # the decoder and expected_tensors() disagree: a bug here, not in the file
-        raise RuntimeError(f"model: loader and decoder disagree on {sorted(set(params) ^ set(state))}")
-    for name, value in state.items():
+    sources = _sources(config)
+    if set(params) != set(sources) | {n + "_scale" for n in sources if n + "_scale" in params}:
+        raise RuntimeError(f"model: loader and decoder disagree on {sorted(set(params) ^ set(sources))}")
+    for name, names in sources.items():  # one tensor at a time: peak memory stays near the model's own
+        value = take(*names)
         if list(params[name].shape) != list(value.shape):
             raise RuntimeError(f"model: {name} is {list(value.shape)}, the decoder has {list(params[name].shape)}")
-    model.set_state_dict(state)
+        if name + "_scale" in params:
+            value, scale = quantize_rows(value)
+            params[name + "_scale"].set_value(scale)
+        params[name].set_value(value.astype(params[name].dtype))
+        del value
+    logger.info("weights: %s%s, %.2f GB held", config.weight_dtype,
+                f", linear layers {config.quantization}" if config.quantization else "", weight_bytes(model) / 1e9)
     return model
+
+
+def _sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each decoder parameter (but int8 scales) and the checkpoint tensors it is made of, in order:
+    q/k/v and gate/up are fused by stacking rows."""
+    sources = {"embed_tokens.weight": (_EMBED,), "norm.weight": ("model.norm.weight",)}
+    for i in range(config.num_hidden_layers):
+        attn, mlp, p = _ATTN.format(i=i), _MLP.format(i=i), f"layers.{i}."
+        sources[p + "self_attn.qkv_weight"] = tuple(attn + f"{x}_proj.weight" for x in "qkv")
+        if config.attention_bias:
+            sources[p + "self_attn.qkv_bias"] = tuple(attn + f"{x}_proj.bias" for x in "qkv")
+        sources[p + "self_attn.o_weight"] = (attn + "o_proj.weight",)
+        if config.o_proj_bias:
+            sources[p + "self_attn.o_bias"] = (attn + "o_proj.bias",)
+        if config.qk_norm:
+            sources[p + "self_attn.q_norm.weight"] = (attn + "q_norm.weight",)
+            sources[p + "self_attn.k_norm.weight"] = (attn + "k_norm.weight",)
+        sources[p + "mlp.gate_up_weight"] = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        sources[p + "mlp.down_weight"] = (mlp + "down_proj.weight",)
+        if config.mlp_bias:
+            sources[p + "mlp.gate_up_bias"] = (mlp + "gate_proj.bias", mlp + "up_proj.bias")
+            sources[p + "mlp.down_bias"] = (mlp + "down_proj.bias",)
+        sources[p + "input_layernorm.weight"] = (f"model.layers.{i}.input_layernorm.weight",)
+        sources[p + "post_attention_layernorm.weight"] = (f"model.layers.{i}.post_attention_layernorm.weight",)
+    if not config.tie_word_embeddings:
+        sources["lm_head"] = (_HEAD,)
+    return sources
+
+
+def quantize_rows(weight: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Symmetric int8 per output row (`wint8`): `weight ~= q * scale[:, None]`, q in [-127, 127]."""
+    w = weight.astype("float32")
+    scale = w.abs().max(axis=1) / 127.0
+    scale = paddle.where(scale > 0, scale, paddle.ones_like(scale))  # an all-zero row stays zero
+    return paddle.round(w / scale.unsqueeze(1)).clip(-127, 127).astype("int8"), scale
+
+
+def weight_bytes(model: DecoderForCausalLM) -> int:
+    """Bytes of every parameter the model holds (weights, scales, norms, biases)."""
+    return sum(p.size * p.element_size() for p in model.parameters())
 
 
 def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
@@ -281,7 +311,11 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     if model.shard is not None:
         raise ValueError("model: a tensor-parallel shard holds part of the weights; save an unsharded model")
     cfg = model.config
-    state = {k: v.astype("float32").numpy() for k, v in model.state_dict().items()}
+    params = model.state_dict()
+    state = {k: v.astype("float32").numpy() for k, v in params.items() if not k.endswith("_weight_scale")}
+    for name, scale in params.items():  # int8 weights back to the values they stand for
+        if name.endswith("_weight_scale"):
+            state[name.removesuffix("_scale")] *= scale.numpy()[:, None]
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):

@@ -44,6 +44,7 @@ from .. import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADERS = [Path(__file__).with_name("linear.h")]  # included by kernels.c: part of the build's key
 SWITCH = "FDLP_CPU_KERNELS"
 MODES = ("auto", "0", "1")
 _threads = 1
@@ -120,8 +121,13 @@ class CpuKernels:
         self._read_sum = library.fdlp_read_sum
         self._read_sum.argtypes = [ptr, i64, c_int]
         self._read_sum.restype = ctypes.c_double
-        self._linear = library.fdlp_linear
-        self._linear.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
+        # One linear kernel per weight format; activations, scales and bias are float32.
+        self._linears = {dtype: getattr(library, f"fdlp_linear_{name}") for dtype, name in
+                         ((paddle.float32, "f32"), (paddle.bfloat16, "bf16"), (paddle.float16, "f16"),
+                          (paddle.int8, "i8"))}
+        for fn in self._linears.values():
+            fn.argtypes = [ptr] * 5 + [i64] * 3 + [c_int]
+            fn.restype = None
         self._attention = library.fdlp_paged_attention
         self._attention.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, c_int]
         self._swiglu = library.fdlp_swiglu
@@ -132,16 +138,18 @@ class CpuKernels:
         self._transpose.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
-        for fn in (self._linear, self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax):
+        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax):
             fn.restype = None
 
-    def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-        """`x @ weight^T + bias` for x `[M, K]` and weight `[N, K]`: `[M, N]`."""
+    def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
+               scale: paddle.Tensor | None = None) -> paddle.Tensor:
+        """`(x @ weight^T) * scale + bias` for float32 x `[M, K]` and a weight `[N, K]` in float32,
+        bfloat16, float16 or int8 (int8 with its per-row float32 `scale` `[N]`): float32 `[M, N]`."""
         x = x if x.is_contiguous() else x.contiguous()
         (rows, k), n = x.shape, weight.shape[0]
         out = paddle.empty([rows, n], dtype=x.dtype)
-        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     rows, n, k, _threads)
+        self._linears[weight.dtype](x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, _threads)
         return out
 
     def read_sum(self, x: paddle.Tensor) -> float:
@@ -240,7 +248,8 @@ def build(isa: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     isa_flags = cpu_features.COMPILE_FLAGS[isa or cpu_features.detect().isa]
     flags = ["-O3", "-fPIC", "-std=gnu11", *isa_flags, *(f"-D{d}" for d in defines)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, *link_flags])
+    sources = [SOURCE.read_text(), *(h.read_text() for h in HEADERS)]
+    key = hashlib.sha256("\0".join([*sources, compiler, version, *flags, *link_flags])
                          .encode()).hexdigest()[:16]
     for cache in _cache_dirs():
         target = cache / f"cpu_kernels-{key}.so"

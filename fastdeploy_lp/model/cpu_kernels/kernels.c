@@ -71,109 +71,49 @@ static inline float lane_sum(vec v) { /* a halving tree: log2(LANES) adds, not L
     return s[0];
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] for `rows` (<= X_ROWS; a constant once inlined) rows of x and
- * the weight rows [n0, n1), WEIGHT_ROWS at a time, each weight vector loaded once for all rows of
- * x. Decode is bound by reading the weight, and MKL's GEMM reads it at half the speed of its GEMV
- * for 2 to 16 rows. The prefetch 8 KB ahead keeps enough of those reads in flight between the
- * FMAs: 8 rows over the bench model's weights took 92 ms with it, 116 without (AVX-512). */
-static inline __attribute__((always_inline)) void rows_times_weight(const float *x, const float *w, float *y,
-                                                                    const int rows, int64_t k_len, int64_t n0,
-                                                                    int64_t n1, int64_t ldy) {
-    enum { WR = WEIGHT_ROWS, AHEAD = 2048 };
-    int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
-    for (int64_t n = n0; n < n1; n += WR) {
-        int r_len = n1 - n < WR ? (int)(n1 - n) : WR;
-        const float *wr[WR];
-        for (int r = 0; r < WR; r++) wr[r] = w + (n + (r < r_len ? r : 0)) * k_len;
-        vec a[WR][X_ROWS];
-        for (int r = 0; r < WR; r++)
-            for (int m = 0; m < rows; m++) a[r][m] = (vec){0};
-        for (int64_t k = 0; k < k_full; k += LANES) {
-            vec v[WR];
-            for (int r = 0; r < WR; r++) {
-                v[r] = load(wr[r] + k);
-                if (k % 16 == 0) __builtin_prefetch(wr[r] + k + AHEAD); /* one per 64-byte line */
-            }
-            for (int m = 0; m < rows; m++) {
-                vec xv = load(x + m * k_len + k);
-                for (int r = 0; r < WR; r++) a[r][m] += v[r] * xv;
-            }
-        }
-        if (tail) {
-            vec v[WR];
-            for (int r = 0; r < WR; r++) v[r] = load_tail(wr[r] + k_full, tail);
-            for (int m = 0; m < rows; m++) {
-                vec xv = load_tail(x + m * k_len + k_full, tail);
-                for (int r = 0; r < WR; r++) a[r][m] += v[r] * xv;
-            }
-        }
-        for (int m = 0; m < rows; m++)
-            for (int r = 0; r < r_len; r++) y[m * ldy + n + r] = lane_sum(a[r][m]);
-    }
+/* The linear kernel, once per weight format (`linear.h`): float32, bfloat16 and float16 weights
+ * widened to float32 in registers, int8 weights dequantized by a per-row scale. Activations and
+ * accumulation stay float32 in every format. */
+static inline vec load_w_f32(const float *p) { return load(p); }
+static inline vec load_w_tail_f32(const float *p, int64_t n) { return load_tail(p, n); }
+
+typedef uint16_t hvec __attribute__((vector_size(LANES * 2), aligned(2)));
+static inline vec widen_bf16(hvec h) { return (vec)(__builtin_convertvector(h, ivec) << 16); }
+static inline vec load_w_bf16(const uint16_t *p) { return widen_bf16(*(const hvec *)p); }
+static inline vec load_w_tail_bf16(const uint16_t *p, int64_t n) {
+    hvec h = {0};
+    memcpy(&h, p, (size_t)n * 2);
+    return widen_bf16(h);
 }
 
-/* y[n] = x . w[n] for one row of x (a GEMV) and weight rows [n0, n1): two weight rows at a time
- * with four accumulators each (eight registers at every width), so more loads are in flight, and
- * no prefetch: 256 to 4096 bytes ahead slowed it on AVX-512 and AVX2 alike. Over the bench model's
- * weights on an AVX-512 Xeon: 90% of the measured read bandwidth, as fast as MKL's GEMV. */
-static void vector_times_weight(const float *x, const float *w, float *y, int64_t k_len, int64_t n0, int64_t n1) {
-    int64_t k_quad = k_len - k_len % (4 * LANES), k_full = k_len - k_len % LANES, tail = k_len - k_full;
-    for (int64_t n = n0; n < n1; n += 2) {
-        int two = n + 1 < n1;
-        const float *w0 = w + n * k_len, *w1 = w + (n + two) * k_len;
-        vec a0[4] = {{0}}, a1[4] = {{0}};
-        int64_t k = 0;
-        for (; k < k_quad; k += 4 * LANES) {
-            for (int u = 0; u < 4; u++) {
-                vec xv = load(x + k + u * LANES);
-                a0[u] += load(w0 + k + u * LANES) * xv;
-                a1[u] += load(w1 + k + u * LANES) * xv;
-            }
-        }
-        for (; k < k_full; k += LANES) {
-            vec xv = load(x + k);
-            a0[0] += load(w0 + k) * xv;
-            a1[0] += load(w1 + k) * xv;
-        }
-        if (tail) {
-            vec xv = load_tail(x + k_full, tail);
-            a0[0] += load_tail(w0 + k_full, tail) * xv;
-            a1[0] += load_tail(w1 + k_full, tail) * xv;
-        }
-        y[n] = lane_sum(a0[0] + a0[1] + a0[2] + a0[3]);
-        if (two) y[n + 1] = lane_sum(a1[0] + a1[1] + a1[2] + a1[3]);
-    }
+typedef _Float16 fhvec __attribute__((vector_size(LANES * 2), aligned(2)));
+static inline vec load_w_f16(const _Float16 *p) { return __builtin_convertvector(*(const fhvec *)p, vec); }
+static inline vec load_w_tail_f16(const _Float16 *p, int64_t n) {
+    fhvec h = {0};
+    memcpy(&h, p, (size_t)n * 2);
+    return __builtin_convertvector(h, vec);
 }
 
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL). */
-void fdlp_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_len, int64_t n_len,
-                 int64_t k_len, int threads) {
-    const int64_t block = 48; /* weight rows per task: they stay in L2 across x's row tiles */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n0 = 0; n0 < n_len; n0 += block) {
-        int64_t n1 = n0 + block < n_len ? n0 + block : n_len;
-        if (m_len == 1) vector_times_weight(x, w, y, k_len, n0, n1);
-        for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += X_ROWS) {
-            const float *xm = x + m0 * k_len;
-            float *ym = y + m0 * n_len;
-            switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
-                case 1: rows_times_weight(xm, w, ym, 1, k_len, n0, n1, n_len); break;
-                case 2: rows_times_weight(xm, w, ym, 2, k_len, n0, n1, n_len); break;
-                case 3: rows_times_weight(xm, w, ym, 3, k_len, n0, n1, n_len); break;
-#if X_ROWS > 4
-                case 4: rows_times_weight(xm, w, ym, 4, k_len, n0, n1, n_len); break;
-                case 5: rows_times_weight(xm, w, ym, 5, k_len, n0, n1, n_len); break;
-                case 6: rows_times_weight(xm, w, ym, 6, k_len, n0, n1, n_len); break;
-                case 7: rows_times_weight(xm, w, ym, 7, k_len, n0, n1, n_len); break;
-#endif
-                default: rows_times_weight(xm, w, ym, X_ROWS, k_len, n0, n1, n_len);
-            }
-        }
-        if (bias)
-            for (int64_t m = 0; m < m_len; m++)
-                for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
-    }
+typedef int8_t bvec __attribute__((vector_size(LANES), aligned(1)));
+static inline vec load_w_i8(const int8_t *p) { return __builtin_convertvector(*(const bvec *)p, vec); }
+static inline vec load_w_tail_i8(const int8_t *p, int64_t n) {
+    bvec b = {0};
+    memcpy(&b, p, (size_t)n);
+    return __builtin_convertvector(b, vec);
 }
+
+#define WEIGHT float
+#define FORMAT f32
+#include "linear.h"
+#define WEIGHT uint16_t
+#define FORMAT bf16
+#include "linear.h"
+#define WEIGHT _Float16
+#define FORMAT f16
+#include "linear.h"
+#define WEIGHT int8_t
+#define FORMAT i8
+#include "linear.h"
 
 /* Sum of n floats read by every thread: the machine's read bandwidth, measured by the benchmarks
  * the way a decode step reads its weights. */
