@@ -145,8 +145,8 @@ async def prepare_request(backend: CustomBackend, request: Any, tokenizer, *, co
 
     The hooks run on their own thread and event loop, under `timeout_s` (the compile limit of the
     built-in guided decoding): one that blocks or never returns fails this request, not the server.
-    The processor later runs on the engine thread inside a copy of the context the parameter hook
-    ran in, so `contextvars` set there are visible to it. `constrained_by` names the request field
+    The processor later runs inside a copy of the context the parameter hook ran in, so
+    `contextvars` set there are visible to it. `constrained_by` names the request field
     that asked for a constraint: such a request may not go unconstrained because the backend
     returned no processor.
     """
