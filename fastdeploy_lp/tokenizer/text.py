@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_HOLDS_TEXT = (str, dict, list, tuple)
 
 
 def first_unencodable(value, path: str = "") -> tuple[str, str, int] | None:
@@ -27,9 +28,11 @@ def first_unencodable(value, path: str = "") -> tuple[str, str, int] | None:
             for key, child in reversed(node.items()):
                 if isinstance(key, str) and not key.isascii() and (hit := _SURROGATE.search(key)) is not None:
                     return where, key, hit.start()
-                stack.append((child, f"{where}.{key}" if where else str(key)))
+                if isinstance(child, _HOLDS_TEXT):  # numbers need no path: a million token ids stay cheap
+                    stack.append((child, f"{where}.{key}" if where else str(key)))
         elif isinstance(node, (list, tuple)):
-            stack.extend((child, f"{where}[{i}]") for i, child in reversed(list(enumerate(node))))
+            texts = [i for i, child in enumerate(node) if isinstance(child, _HOLDS_TEXT)]
+            stack.extend((node[i], f"{where}[{i}]") for i in reversed(texts))
     return None
 
 
