@@ -1,9 +1,13 @@
-"""Write a random-weight checkpoint with the Qwen2.5-0.5B shape, for benchmarks.
+"""Write a random-weight checkpoint with the Qwen2.5-0.5B (or 7B) shape, for benchmarks.
 
     python bench/make_bench_model.py --out bench/models/qwen2.5-0.5b-random
+    python bench/make_bench_model.py --shape qwen2.5-7b --dtype bfloat16 --out bench/models/qwen2.5-7b-random
 
-Shape: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied
-embeddings, q/k/v bias. Weights are float16 (the loader upcasts on CPU). The tokenizer is a
+0.5B shape: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied
+embeddings, q/k/v bias. 7B shape: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944,
+vocab 152064, untied LM head (15 GB in bfloat16, written in shards of a few layers with an index,
+as the Hub ships it, so no step holds the whole model). Weights are float16 unless `--dtype
+bfloat16`. The tokenizer is a
 byte-level BPE with 151,643 synthetic merges (random concatenations of existing tokens) plus
 the ChatML special tokens, so grammar engines see a vocabulary of the real size; its
 segmentation of real text is not meaningful, nor is anything the model writes.
@@ -16,10 +20,13 @@ import json
 import os
 
 import numpy as np
-from safetensors.numpy import save_file
 
-SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-             intermediate_size=4864, vocab_size=151936)
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -58,38 +65,92 @@ def synthetic_bpe(vocab_size: int, seed: int) -> dict:
     }
 
 
+class Writer:
+    """Random tensors in the asked dtype, written in shards of `per_shard` layers plus an index."""
+
+    def __init__(self, out: str, dtype: str, seed: int):
+        self.out, self.dtype, self.rng = out, dtype, np.random.default_rng(seed)
+        self.shard: dict[str, np.ndarray] = {}
+        self.files: list[tuple[str, list[str]]] = []
+        self.parameters = 0
+
+    def random(self, *shape: int) -> np.ndarray:
+        return self.encode(self.rng.standard_normal(shape, dtype=np.float32) * 0.02)
+
+    def ones(self, n: int) -> np.ndarray:
+        return self.encode(np.ones(n, np.float32))
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        self.parameters += x.size
+        if self.dtype == "float16":
+            return x.astype(np.float16)
+        return (x.view(np.uint32) + 0x8000 >> 16).astype(np.uint16)  # bfloat16 words, rounded
+
+    def flush(self) -> None:
+        if self.shard:
+            name = f"model-{len(self.files) + 1:05d}.safetensors"
+            self.files.append((name, sorted(self.shard)))
+            _save(os.path.join(self.out, name), self.shard, "F16" if self.dtype == "float16" else "BF16")
+            self.shard = {}
+
+    def finish(self) -> None:
+        self.flush()
+        weight_map = {t: name for name, names in self.files for t in names}
+        with open(os.path.join(self.out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _save(path: str, tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """A safetensors file by hand: numpy has no bfloat16, so 16-bit words are written as they are."""
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        header[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "data_offsets": [offset, offset + tensors[name].nbytes]}
+        offset += tensors[name].nbytes
+    blob = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name]).tobytes())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "models", "qwen2.5-0.5b-random"))
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="fewer layers for a quick try")
+    ap.add_argument("--layers", type=int, help="fewer layers for a quick try")
+    ap.add_argument("--layers-per-shard", type=int, default=2)
     args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    layers = args.layers or shape["num_hidden_layers"]
     os.makedirs(args.out, exist_ok=True)
-    rng = np.random.default_rng(args.seed)
-    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    head = h // SHAPE["num_attention_heads"]
-    kv = SHAPE["num_key_value_heads"] * head
-
-    def w(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
-
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float16)}
-    for n in range(args.layers):
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    out = Writer(args.out, args.dtype, args.seed)
+    out.shard.update({"model.embed_tokens.weight": out.random(v, h), "model.norm.weight": out.ones(h)})
+    if not shape["tie_word_embeddings"]:
+        out.shard["lm_head.weight"] = out.random(v, h)
+    out.flush()
+    for n in range(layers):
         p = f"model.layers.{n}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.q_proj.bias": w(h),
-            p + "self_attn.k_proj.weight": w(kv, h), p + "self_attn.k_proj.bias": w(kv),
-            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.v_proj.bias": w(kv),
-            p + "self_attn.o_proj.weight": w(h, h),
-            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h), p + "mlp.down_proj.weight": w(h, i),
-            p + "input_layernorm.weight": np.ones(h, np.float16),
-            p + "post_attention_layernorm.weight": np.ones(h, np.float16),
+        out.shard.update({
+            p + "self_attn.q_proj.weight": out.random(h, h), p + "self_attn.q_proj.bias": out.random(h),
+            p + "self_attn.k_proj.weight": out.random(kv, h), p + "self_attn.k_proj.bias": out.random(kv),
+            p + "self_attn.v_proj.weight": out.random(kv, h), p + "self_attn.v_proj.bias": out.random(kv),
+            p + "self_attn.o_proj.weight": out.random(h, h),
+            p + "mlp.gate_proj.weight": out.random(i, h), p + "mlp.up_proj.weight": out.random(i, h),
+            p + "mlp.down_proj.weight": out.random(h, i),
+            p + "input_layernorm.weight": out.ones(h), p + "post_attention_layernorm.weight": out.ones(h),
         })
-    save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+        if (n + 1) % args.layers_per_shard == 0:
+            out.flush()
+    out.finish()
     eos = v - len(SPECIALS) + 2  # <|im_end|>
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **SHAPE,
-              "num_hidden_layers": args.layers, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-              "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "float16",
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
+              "num_hidden_layers": layers, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "max_position_embeddings": 32768, "torch_dtype": args.dtype,
               "bos_token_id": None, "eos_token_id": eos, "hidden_act": "silu"}
     files = {
         "config.json": config,
@@ -102,7 +163,7 @@ def main() -> None:
             json.dump(content, f, ensure_ascii=False)
     with open(os.path.join(args.out, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(CHATML)
-    print(f"wrote {args.out} ({sum(t.size for t in tensors.values()) / 1e6:.0f}M parameters)")
+    print(f"wrote {args.out} ({out.parameters / 1e6:.0f}M parameters, {args.dtype})")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ checkpoint, in one run.
 
     python bench/make_bench_model.py            # once: the Qwen2.5-0.5B-shaped random checkpoint
     python bench/throughput.py --batch-sizes 1 8 32 --prompt-lens 128 512 --output-len 64 \\
-        --kernel-modes auto 1 0 --json out.json --plot out.png
+        --weights float32 bfloat16 wint8 --kernel-modes auto 1 0 --json out.json --plot out.png
 
 The header names the CPU (model and the vector ISA the kernels were built for) and the memory read
 bandwidth measured here (every core summing a 1 GiB buffer), and turns it into the weight-read
@@ -131,30 +131,37 @@ def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
             "gemm_gflops": gemm, "efficiency": achieved / gemm}
 
 
-def run_engines(args, llm: LLM, engines: dict, prompts: list[list[int]]) -> dict:
+FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "float16": {"dtype": "float16"},
+           "wint8": {"dtype": "auto", "quantization": "wint8"}}
+
+
+def run_engines(args, llms: dict[str, LLM], engines: dict, prompts: list[list[int]]) -> dict:
     results = {}
-    for mode in args.kernel_modes:
-        cpu_kernels.set_mode(mode)
-        bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
-        results[f"fastdeploy_lp kernels={mode}"] = bench_fastdeploy(llm, prompts, args.output_len)
-    cpu_kernels.set_mode("auto")
+    for weights, llm in llms.items():
+        for mode in args.kernel_modes:
+            cpu_kernels.set_mode(mode)
+            bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
+            results[f"fastdeploy_lp {weights} kernels={mode}"] = bench_fastdeploy(llm, prompts, args.output_len)
+        cpu_kernels.set_mode("auto")
     for name, engine in engines.items():
         results[name] = engine(prompts, args.output_len)
     return results
 
 
-def print_table(header: str, rows: list[dict], limit_tok_s: float) -> None:
+def print_table(header: str, rows: list[dict], limits: dict[str, float]) -> None:
+    """One line per engine and shape; batch-1 lines with their share of their format's weight-read limit."""
     names = list(dict.fromkeys(name for r in rows for name in r["results"]))
     print(f"\n{header}\n")
-    print(f"{'engine':<28} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
+    print(f"{'engine':<38} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
           f"{'share of weight-read limit':>26}")
     for name in names:
+        limit = next((v for k, v in limits.items() if f" {k} " in f" {name} "), None)
         for r in rows:
             res = r["results"].get(name)
             if res is None:
                 continue
-            share = f"{res['decode_tok_s'] / limit_tok_s:.0%}" if r["batch"] == 1 else ""
-            print(f"{name:<28} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
+            share = f"{res['decode_tok_s'] / limit:.0%}" if r["batch"] == 1 and limit else ""
+            print(f"{name:<38} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
                   f"{res['ttft_s']:>7.3f} | {share:>26}")
 
 
@@ -192,6 +199,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--weights", nargs="+", default=["float32"], choices=list(FORMATS),
+                    help="weight formats to time the engine with (wint8 keeps the checkpoint's dtype elsewhere)")
     ap.add_argument("--kernel-modes", nargs="+", default=["auto"], choices=cpu_kernels.MODES,
                     help="FDLP_CPU_KERNELS modes to time the engine in, side by side")
     ap.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp", "ctranslate2"],
@@ -203,12 +212,12 @@ def main() -> None:
     cpu_kernels.set_mode("auto")  # the engine measures its kernel choices at start-up in this mode
     rng = np.random.default_rng(0)
     # Prefix caching off: the warm-up's prompt would otherwise be a cache hit in the timed run.
-    llm = LLM(args.model, max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), max_model_len=max(args.prompt_lens) + args.output_len + 8,
-              enable_prefix_caching=False)
+    llms = {w: LLM(args.model, max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), enable_prefix_caching=False,
+                   max_model_len=max(args.prompt_lens) + args.output_len + 8, **FORMATS[w]) for w in args.weights}
     cpu = cpu_features.detect()
     bandwidth = read_bandwidth_gbs()
-    weights = weight_bytes_per_token(llm)
-    limit = bandwidth * 1e9 / weights
+    weights = {w: weight_bytes_per_token(llm) for w, llm in llms.items()}
+    limits = {w: bandwidth * 1e9 / b for w, b in weights.items()}
     makers = {"transformers": transformers_engine, "llama.cpp": llama_cpp_engine, "ctranslate2": ctranslate2_engine}
     engines = {}
     for peer in args.peers:
@@ -217,22 +226,24 @@ def main() -> None:
             print(f"{peer}: not installed, skipped", flush=True)
         else:
             engines.update(engine)
+    llm = next(iter(llms.values()))
     vocab = llm.tokenizer.vocab_size
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
             prompts = [rng.integers(0, vocab - 3, prompt_len).tolist() for _ in range(batch)]
-            rows.append({"prompt_len": prompt_len, "batch": batch, "results": run_engines(args, llm, engines, prompts)})
+            rows.append({"prompt_len": prompt_len, "batch": batch, "results": run_engines(args, llms, engines, prompts)})
             print(json.dumps(rows[-1]), flush=True)
+    per_format = ", ".join(f"{w} {b / 1e9:.2f} GB -> {limits[w]:.1f} tok/s" for w, b in weights.items())
     header = (f"CPU: {cpu.describe()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; "
-              f"{weights / 1e9:.2f} GB of weights per token -> weight-read limit {limit:.1f} tok/s at batch 1")
-    print_table(header, rows, limit)
+              f"weight bytes per token and the batch-1 limit they set: {per_format}")
+    print_table(header, rows, limits)
     prefill = prefill_efficiency(llm, PREFILL_SEQS, max(args.prompt_lens))
     print(f"prefill efficiency ({prefill['seqs']} x {prefill['prompt_len']} tokens): "
           f"{prefill['achieved_gflops']:.0f} GFLOP/s achieved vs {prefill['gemm_gflops']:.0f} GFLOP/s Paddle GEMM "
           f"on the same shapes = {prefill['efficiency']:.0%}")
     result = {"model": args.model, "output_len": args.output_len, "cpu": cpu.describe(), "isa": cpu.isa,
-              "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": weights, "weight_read_limit_tok_s": limit,
+              "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": weights, "weight_read_limit_tok_s": limits,
               "rows": rows, "prefill": prefill}
     print(json.dumps(result))
     if args.json:

@@ -62,6 +62,19 @@ def test_linear_with_half_and_int8_weights_matches_their_float32_values(kernels,
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+def test_widen_gives_the_float32_values_of_a_weight(kernels, dtype):
+    rng = np.random.default_rng(7)
+    scale = None
+    if dtype == "int8":
+        w = paddle.to_tensor(rng.integers(-127, 128, (37, 131), dtype=np.int8))
+        scale = paddle.to_tensor(rng.uniform(0.001, 0.02, 37).astype(np.float32))
+    else:
+        w = paddle.to_tensor(rng.standard_normal((37, 131), dtype=np.float32)).astype(dtype)
+    want = w.astype("float32") * (1 if scale is None else scale.unsqueeze(1))
+    np.testing.assert_array_equal(kernels.widen(w, scale).numpy(), want.numpy())
+
+
 def test_linear_reads_a_row_slice_where_it_starts(kernels):
     x = paddle.randn([6, 32])
     w = paddle.randn([20, 32])

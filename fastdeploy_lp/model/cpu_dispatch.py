@@ -15,9 +15,10 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 | `rotary`    | decode (8 tokens), prefill (256)| layer 0's heads, a paged batch                     |
 | `attention` | decode (8 x 1 token over 256), prefill (128 over 128) | layer 0's heads, a paged cache |
 | `argmax`    | all (timed at 8 rows: both scale with rows) | `[8, vocab]`                           |
+| `widen`     | all (16-bit and int8 weights only) | 8 MB of layer 0's gate/up weight to float32     |
 
-Each decision compares the medians of 5 interleaved timings (never one sample), and the kernel
-wins only if its median is lower. The choices are cached beside the compiled library, keyed by the
+Each decision compares 5 interleaved timings of each side by the mean of their three fastest (noise
+only adds time; no single sample decides), and the kernel wins only if it is lower. The choices are cached beside the compiled library, keyed by the
 model's shapes and the thread count, so the calibration (0.2-0.6 s) happens once per machine and
 model, and they are logged once per process.
 """
@@ -37,7 +38,7 @@ import paddle
 import paddle.nn.functional as F
 
 from . import cpu_features, cpu_kernels
-from .layers import AttentionBatch, paddle_linear
+from .layers import AttentionBatch, paddle_linear, paddle_widen
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,22 @@ def describe(plan: dict[str, bool]) -> str:
 def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[str, bool]:
     """Time every kernel against its Paddle op on `model`'s shapes: `{"op:bucket": kernel won}`."""
     cfg = model.config
-    attn = model.layers[0].self_attn
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     plan = {}
+    cpu_kernels.use_plan(plan)  # the references run Paddle's ops only
     with paddle.no_grad():
+        if mlp.gate_up_weight.dtype != paddle.float32:
+            # 8 MB of output, past L2: Paddle's cast of a whole 7B gate/up weight would take seconds.
+            rows = max(1, (8 << 20) // (4 * mlp.gate_up_weight.shape[1]))
+            w = mlp.gate_up_weight[:rows].contiguous()
+            scale = None if mlp.gate_up_weight_scale is None else mlp.gate_up_weight_scale[:rows].contiguous()
+            plan["widen:all"] = _kernel_wins(lambda: kernels.widen(w, scale), lambda: paddle_widen(w, scale, "float32"))
+        width = mlp.gate_up_weight.shape[0]
+        for bucket, rows in (("decode", 8), ("prefill", 64)):
+            product = paddle.randn([width, rows])
+            plan[f"transpose:{bucket}"] = _kernel_wins(lambda: kernels.transpose(product),
+                                                       lambda: product.T.contiguous())
+        cpu_kernels.use_plan(plan)  # a linear layer without its kernel widens and transposes as measured
         weights = _weight_sets(model)
         for rows, name in cpu_kernels.LINEAR_BUCKETS:
             xs = {k: paddle.randn([rows, k]) for k in {w.shape[1] for w, _ in itertools.chain(*weights)}}
@@ -96,11 +110,6 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             plan[f"linear:{name}"] = _kernel_wins(
                 lambda: [kernels.linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)],
                 lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)])
-        width = model.layers[0].mlp.gate_up_weight.shape[0]
-        for bucket, rows in (("decode", 8), ("prefill", 64)):
-            product = paddle.randn([width, rows])
-            plan[f"transpose:{bucket}"] = _kernel_wins(lambda: kernels.transpose(product),
-                                                       lambda: product.T.contiguous())
         for bucket, rows in (("decode", 32), ("prefill", 256)):
             gate_up = paddle.randn([rows, width])
             plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up))
@@ -123,7 +132,9 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
 
 
 def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) -> bool:
-    """Whether `kernel` has the lower median time over SAMPLES interleaved runs (after one each to warm up)."""
+    """Whether `kernel` is faster over SAMPLES interleaved runs of each (after one each to warm up),
+    comparing the mean of each one's three fastest runs: noise from other processes only adds
+    time, and one lucky run decides nothing."""
     kernel(), reference()
     times: dict[int, list[float]] = {0: [], 1: []}
     for _ in range(SAMPLES):
@@ -131,18 +142,19 @@ def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) 
             start = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - start)
-    return statistics.median(times[0]) < statistics.median(times[1])
+    return statistics.fmean(sorted(times[0])[:3]) < statistics.fmean(sorted(times[1])[:3])
 
 
 def _weight_sets(model) -> list[list[tuple[paddle.Tensor, paddle.Tensor | None]]]:
-    """The decoder layers' linear weights (and int8 scales) in model order, in sets of about SET_BYTES."""
+    """The decoder layers' linear weights (and int8 scales) in model order, in sets of about SET_BYTES
+    of float32 (fewer bytes as held for 16-bit and int8 weights)."""
     sets, current, size = [], [], 0
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for w, scale in ((attn.qkv_weight, attn.qkv_weight_scale), (attn.o_weight, attn.o_weight_scale),
                          (mlp.gate_up_weight, mlp.gate_up_weight_scale), (mlp.down_weight, mlp.down_weight_scale)):
             current.append((w, scale))
-            size += w.size * w.element_size()
+            size += w.size * 4  # as float32: what Paddle's path widens to and multiplies
             if size >= SET_BYTES:
                 sets.append(current)
                 current, size = [], 0

@@ -85,9 +85,9 @@ LINEAR_BUCKETS = ((1, "1"), (8, "2-8"), (16, "9-16"), (KERNEL_ROWS, "17-32"))
 
 def bucket(op: str, rows: int) -> str:
     """The row bucket a choice is measured and kept for: linear layers by rows of x (1, 2-8, 9-16,
-    17-32: the weight-read-bound sizes), argmax as one (its cost and Paddle's both grow with the
-    rows), the others by decode (up to 32 rows) or prefill."""
-    if op == "argmax":
+    17-32: the weight-read-bound sizes), argmax and widen as one (their cost and Paddle's grow
+    alike), the others by decode (up to 32 rows) or prefill."""
+    if op in ("argmax", "widen"):
         return "all"
     if op == "linear":
         return next((name for top, name in LINEAR_BUCKETS if rows <= top), "prefill")
@@ -116,6 +116,7 @@ class CpuKernels:
     def __init__(self, path: Path):
         library = ctypes.CDLL(str(path))
         self.path = path
+        self._scratch: dict[tuple[int, ...], paddle.Tensor] = {}  # widen's buffers
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.lanes = library.fdlp_lanes()  # floats per vector in this build
         self._read_sum = library.fdlp_read_sum
@@ -127,6 +128,11 @@ class CpuKernels:
                           (paddle.int8, "i8"))}
         for fn in self._linears.values():
             fn.argtypes = [ptr] * 5 + [i64] * 3 + [c_int]
+            fn.restype = None
+        self._widens = {dtype: getattr(library, f"fdlp_widen_{name}") for dtype, name in
+                        ((paddle.bfloat16, "bf16"), (paddle.float16, "f16"), (paddle.int8, "i8"))}
+        for fn in self._widens.values():
+            fn.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
             fn.restype = None
         self._attention = library.fdlp_paged_attention
         self._attention.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, c_int]
@@ -150,6 +156,18 @@ class CpuKernels:
         out = paddle.empty([rows, n], dtype=x.dtype)
         self._linears[weight.dtype](x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
                                     None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, _threads)
+        return out
+
+    def widen(self, weight: paddle.Tensor, scale: paddle.Tensor | None = None) -> paddle.Tensor:
+        """A bfloat16, float16 or int8 (times its per-row `scale`) 2-D weight as float32, for one
+        product: the result lives in a buffer kept per shape and overwritten by the next call (a
+        fresh one cost more in page faults than the conversion itself)."""
+        assert weight.is_contiguous()
+        out = self._scratch.get(tuple(weight.shape))
+        if out is None:
+            out = self._scratch[tuple(weight.shape)] = paddle.empty(weight.shape, dtype="float32")
+        self._widens[weight.dtype](weight.data_ptr(), None if scale is None else scale.data_ptr(), out.data_ptr(),
+                                   weight.shape[0], weight.shape[1], _threads)
         return out
 
     def read_sum(self, x: paddle.Tensor) -> float:
