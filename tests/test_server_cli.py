@@ -57,8 +57,24 @@ def test_fastdeploy_launch_flags_are_accepted():
     try:
         models = httpx.get(s.url("/v1/models"), timeout=10).json()["data"]
         assert models[0]["id"] == "qwen2" and models[0]["max_model_len"] == 256
+        assert models[0]["weight_dtype"] == "float32" and models[0]["quantization"] is None
     finally:
         s.stop()
+
+
+def test_the_models_endpoint_says_how_the_weights_are_held():
+    """qwen2's checkpoint is bfloat16: held as such by default, and as int8 with --quantization wint8."""
+    cards = {}
+    for flags in ((), ("--quantization", "wint8")):
+        s = start_server("--max-model-len", "256", *flags)
+        try:
+            cards[flags] = httpx.get(s.url("/v1/models"), timeout=10).json()["data"][0]
+        finally:
+            s.stop()
+    held, quantized = cards[()], cards[("--quantization", "wint8")]
+    assert held["weight_dtype"] == "bfloat16" and held["quantization"] is None
+    assert quantized["weight_dtype"] == "bfloat16" and quantized["quantization"] == "wint8"
+    assert 0 < quantized["weight_bytes"] < held["weight_bytes"]
 
 
 def test_demo_prints_an_answer():

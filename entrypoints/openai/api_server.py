@@ -116,7 +116,7 @@ def engine_from_args(args: argparse.Namespace) -> LLMEngine:
                         guided_whitespace_pattern=args.guided_whitespace_pattern,
                         reasoning_parser=args.reasoning_parser, tool_functions=args.tool_functions,
                         custom_guided_decoding_backends=custom, cache_config=cache_config_from_args(args),
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:

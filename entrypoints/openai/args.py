@@ -79,8 +79,11 @@ def _add_engine_args(model) -> None:
     model.add_argument("--device", default=None,
                        help="Paddle device, e.g. 'cpu', 'gpu', 'gpu:1'. Default: gpu when available, else cpu.")
     model.add_argument("--dtype", default="auto",
-                       help="Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16. "
-                            "CPU always computes in float32.")
+                       help="Weight dtype: auto (the checkpoint's), float32, bfloat16 or float16. GPUs compute in "
+                            "it; CPUs keep the weights in it (2 bytes each for 16-bit) and compute in float32.")
+    model.add_argument("--quantization", default=None, choices=["wint8", "none"],
+                       help="wint8: linear weights int8 per output channel, quantized at load (CPU); the "
+                            "embedding and LM head stay in --dtype.")
     model.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                        help="Split the model over N worker processes (GPUs from --device on, NCCL; or CPU, "
                             "gloo): heads, MLP columns, vocabulary and KV cache per rank. See docs/distributed.md.")

@@ -540,6 +540,9 @@ class ModelCard(BaseModel):
     owned_by: str = "fastdeploy_lp"
     root: str | None = None
     max_model_len: int | None = None
+    weight_dtype: str | None = None  # how linear weights are held ("bfloat16" on CPU computes in float32)
+    quantization: str | None = None  # "wint8" or None
+    weight_bytes: int | None = None  # resident weight bytes, every tensor-parallel rank's together
 
 
 class ModelList(BaseModel):

@@ -129,7 +129,7 @@ class _GroupBroken(Exception):
 
 
 class TensorParallelRunner:
-    """Drop-in for `ModelRunner` (`num_blocks`, `block_size`, `forward`) over `tensor_parallel_size`
+    """Drop-in for `ModelRunner` (`num_blocks`, `block_size`, `weight_bytes`, `forward`) over `tensor_parallel_size`
     rank processes. `close()` stops them (also at exit and when the runner is collected)."""
 
     def __init__(self, fd_config: FDConfig):
@@ -170,6 +170,7 @@ class TensorParallelRunner:
             self._ranks.stop(graceful=False)
             raise self._start_error(*errors[0])
         self.num_blocks = min(r[1] for r in replies)
+        self.weight_bytes = sum(r[2] for r in replies)  # every rank's shard
         logger.info("tensor parallel: %d ranks over %s (pids %s) ready in %.1fs; %d KV cache blocks per rank",
                     self.size, backend, ", ".join(map(str, self.worker_pids)), time.monotonic() - started,
                     self.num_blocks)

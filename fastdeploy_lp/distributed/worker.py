@@ -3,7 +3,7 @@ loads its shard of the model and KV cache, and runs the forward passes the drive
 
 The conversation with the driver (`runner.TensorParallelRunner`) over this rank's pipe:
 
-    rank -> driver   ("ready", num_blocks)                 or ("error", exception, traceback text)
+    rank -> driver   ("ready", num_blocks, weight_bytes)                 or ("error", exception, traceback text)
     driver -> rank   ("forward", feeds, fresh_blocks)
     rank -> driver   ("ok", rows) on rank 0, the logits written to the shared buffer `logits_buffer`
                      (`[max_num_seqs, vocab]` float32), or ("ok", logits) as a numpy array if they
@@ -76,7 +76,7 @@ def run_worker(spec: WorkerSpec, conns: list[Connection]) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s")
     try:
         runner = _start(spec, rank)
-        conn.send(("ready", runner.num_blocks))
+        conn.send(("ready", runner.num_blocks, runner.weight_bytes))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         logger.debug("rank %d failed to start", rank, exc_info=True)
         try:

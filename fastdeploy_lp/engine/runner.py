@@ -17,6 +17,7 @@ import paddle
 from ..config import FDConfig
 from ..distributed.shard import TensorShard
 from ..model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
+from ..model.loader import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class ModelRunner:
         use_device(fd_config)
         cfg = fd_config.model_config
         self.model = load_model(cfg, max_positions=fd_config.max_model_len, shard=shard)
+        self.weight_bytes = weight_bytes(self.model)  # resident: /v1/models and the start-up log say it
         cache = fd_config.cache_config
         self.block_size = cache.block_size
         self.kv_heads = cfg.num_key_value_heads // (1 if shard is None else shard.size)

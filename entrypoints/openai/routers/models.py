@@ -44,8 +44,12 @@ async def list_logits_processors(request: Request):
 
 
 def _model_card(state, name: str) -> dict:
+    engine = state.async_engine.engine
+    model = engine.fd_config.model_config
     return {"id": name, "object": "model", "created": state.started, "owned_by": "fastdeploy_lp",
-            "root": state.settings.model_path, "max_model_len": state.async_engine.engine.fd_config.max_model_len}
+            "root": state.settings.model_path, "max_model_len": engine.fd_config.max_model_len,
+            "weight_dtype": model.weight_dtype, "quantization": model.quantization,
+            "weight_bytes": engine.runner.weight_bytes}
 
 
 def _processor_card(cls: type, position: int, installed_by_engine: bool) -> dict:
