@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -66,14 +67,16 @@ class ServerSettings:
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine`; the engine thread runs for the app's lifespan.
 
-    `app.state` holds what the routers (`routers/`) read: `settings`, `async_engine`, `metrics`,
-    the `chat` and `completion` serving objects, `started` (the models' creation time) and
-    `draining` (set by `GracefulServer` on the first shutdown signal).
+    `app.state` holds what the routers (`routers/`) read: `settings`, `request_limits` (the
+    flags' limits and the engine's context length), `async_engine`, `metrics`, the `chat` and
+    `completion` serving objects, `started` (the models' creation time) and `draining` (set by
+    `GracefulServer` on the first shutdown signal).
     """
     app = FastAPI(title="fastdeploy_lp OpenAI-compatible API", version="0.1.0", lifespan=_lifespan,
                   exception_handlers=EXCEPTION_HANDLERS)
     state = app.state
     state.settings, state.draining, state.started = settings, False, int(time.time())
+    state.request_limits = dataclasses.replace(settings.limits, max_model_len=engine.fd_config.max_model_len)
     state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests,
                                         stall_timeout_s=settings.engine_stall_timeout_s)
     state.metrics = ServerMetrics(state.async_engine)

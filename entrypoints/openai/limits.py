@@ -2,8 +2,9 @@
 
 A body of a few kilobytes can ask for far more work than it weighs: 20,000 chat messages to
 template and tokenize, 5,000 bad words each turned into a row of a per-step match table, 5,000
-stop strings searched after every token, `n=128` sequences holding every slot. These checks count list lengths and string sizes only (no
-validation model, no tokenizer), so an over-limit request gets its 400 in microseconds.
+stop strings searched after every token, `n=128` sequences holding every slot; a few megabytes of
+token ids take seconds to validate one by one. These checks count list lengths and string sizes
+only (no validation model, no tokenizer), so an over-limit request gets its 400 in microseconds.
 The flags are in `args.py`; `docs/server.md` lists them with their defaults.
 """
 
@@ -22,6 +23,7 @@ class RequestLimits:
     max_n: int = 16                       # choices per prompt (--max-n)
     max_sequences_per_request: int = 256  # prompts x n of one request (--max-sequences-per-request)
     max_stop: int = 64                    # entries of stop and of stop_token_ids, checked every token (--max-stop)
+    max_model_len: int | None = None      # the engine's context: longer token-id prompts cannot run (--max-model-len)
 
     def check(self, body: dict) -> None:
         """400 naming the first field over a limit. Values of the wrong type are left to the
@@ -35,17 +37,29 @@ class RequestLimits:
             raise bad_request(f"n: {n} choices are more than this server allows per request ({self.max_n}, "
                               "--max-n)", param="n")
         prompt = body.get("prompt")
-        prompts = len(prompt) if isinstance(prompt, list) and prompt and not _integer(prompt[0]) else 1
+        batch = isinstance(prompt, list) and bool(prompt) and not _integer(prompt[0])
+        prompts = len(prompt) if batch else 1
         if prompts * n > self.max_sequences_per_request:
             raise bad_request(f"prompt: {prompts} prompts x n={n} are {prompts * n} sequences, more than one "
                               f"request may submit ({self.max_sequences_per_request}, --max-sequences-per-request)",
                               param="prompt")
+        self._check_token_ids(prompt, batch)
         self._check_words(body.get("bad_words"), "bad_words", "characters")
         args = body.get("logits_processors_args")
         if isinstance(args, dict):
             self._check_words(args.get("bad_words"), "logits_processors_args.bad_words", "characters")
             self._check_words(args.get("bad_words_token_ids"), "logits_processors_args.bad_words_token_ids",
                               "token ids")
+
+    def _check_token_ids(self, prompt, batch: bool) -> None:
+        """Token-id prompts the context cannot hold, refused before a million ids are validated
+        one by one (text prompts must be tokenized to be measured)."""
+        if self.max_model_len is None or not isinstance(prompt, list):
+            return
+        for field, ids in ([(f"prompt[{k}]", p) for k, p in enumerate(prompt)] if batch else [("prompt", prompt)]):
+            if isinstance(ids, list) and len(ids) >= self.max_model_len:
+                raise bad_request(f"{field}: {len(ids)} tokens leave no room to generate within "
+                                  f"max_model_len={self.max_model_len}", param=field)
 
     @staticmethod
     def _check_count(body: dict, field: str, limit: int, flag: str) -> None:

@@ -29,7 +29,7 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raw = await request.body()
     except ClientDisconnect:  # gone mid-body (or closed by the request-read timeout)
         raise ClientDisconnected() from None
-    limits = request.app.state.settings.limits
+    limits = request.app.state.request_limits
     if len(raw) > INLINE_PARSE_BYTES:
         return await asyncio.to_thread(parse_json_body, raw, model, limits)
     return parse_json_body(raw, model, limits)
