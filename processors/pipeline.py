@@ -19,6 +19,7 @@ need no second code path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -44,8 +45,9 @@ class ProcessorTiming:
 
 def _raised(error: BaseException) -> bool:
     """A processor's exception to isolate: anything but an interrupt from the keyboard (SystemExit
-    included — a processor must not be able to stop the server)."""
-    return not isinstance(error, KeyboardInterrupt)
+    included — a processor must not be able to stop the server). Only the main thread gets Ctrl-C:
+    on any other (the server's engine thread) a KeyboardInterrupt is raised by code, and isolated."""
+    return not isinstance(error, KeyboardInterrupt) or threading.current_thread() is not threading.main_thread()
 
 
 class LogitsProcessorPipeline:

@@ -55,7 +55,7 @@ def assert_serves(server):
 
 
 @pytest.mark.parametrize("attack", [{"force_token": 10**9}, {"force_token": -5}, {"force_others": 7},
-                                    {"pop_key": "output_ids"}, {"overwrite": True}])
+                                    {"pop_key": "output_ids"}, {"overwrite": True}, {"interrupt_after": 2}])
 def test_a_hostile_processor_changes_nothing_beside_it_and_the_server_serves_on(server, attack):
     innocent = {"max_tokens": 48, "temperature": 0, "logits_processors_args": {"slow_ms": 10}}
     alone = stream_beside(server, innocent, lambda: None)
@@ -66,7 +66,7 @@ def test_a_hostile_processor_changes_nothing_beside_it_and_the_server_serves_on(
     r = hostile["r"]
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    if "force_token" in attack or "force_others" in attack:
+    if {"force_token", "force_others", "interrupt_after"} & set(attack):
         assert choice["finish_reason"] == "error" and "StepAttackLogitsProcessor" in choice["error"]["message"]
     else:
         assert choice["finish_reason"] == "length"
