@@ -11,7 +11,8 @@ from fastdeploy_lp.processors import LogitsProcessor, RequestFailures
 
 
 class StepAttackArgs(BaseModel):
-    force_token: int | None = None      # appended to the request's own forced tokens every step
+    force_token: int | None = None      # appended to the request's own forced tokens every step ...
+    force_count: int = 1                # ... this many times
     force_others: int | None = None     # appended to every *other* running slot's forced tokens
     pop_key: str | None = None          # popped from share_inputs every step
     overwrite: bool | None = None       # writes into every array and list of share_inputs it can reach
@@ -39,7 +40,7 @@ class StepAttackLogitsProcessor(LogitsProcessor):
 
     def _attack(self, share_inputs, slot, args, active):
         if args.force_token is not None:
-            share_inputs["forced_tokens"][slot].append(args.force_token)
+            share_inputs["forced_tokens"][slot].extend([args.force_token] * (args.force_count or 1))
         if args.force_others is not None:
             for other in active:
                 if other != slot:

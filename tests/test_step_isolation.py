@@ -35,7 +35,8 @@ def assert_serves(llm, reference):
     assert out.finish_reason == "length" and out.token_ids == reference[0].token_ids
 
 
-@pytest.mark.parametrize("attack", [{"force_token": 10**9}, {"force_token": -5}, {"force_others": 7}])
+@pytest.mark.parametrize("attack", [{"force_token": 10**9}, {"force_token": -5}, {"force_others": 7},
+                                    {"force_token": 11, "force_count": 10**5}])
 def test_forced_tokens_that_break_the_contract_fail_only_the_processors_requests(llm, reference, attack):
     outs = run(llm, PROMPTS, [greedy(**attack), greedy(), greedy()])
     hostile = outs[0]
