@@ -91,6 +91,26 @@ def test_an_exception_outside_request_isolation_fails_the_batch_not_the_engine(l
     assert_serves(llm, reference)
 
 
+def test_a_detokenizer_that_keeps_failing_fails_its_batch_and_the_engine_serves_on(llm, reference):
+    engine = llm.engine
+    requests = engine.make_requests(PROMPTS[0], greedy(max_tokens=4))
+
+    def explode(final=False):
+        raise RuntimeError("detokenizer exploded")
+
+    requests[0].detokenizer.take_delta = explode
+    engine.enqueue(requests)
+    outputs = []
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        outputs += engine.step()
+    final = [o.outputs for o in outputs if o.finished]
+    assert final and final[0].finish_reason == "error" and "detokenizer exploded" in final[0].error
+    assert final[0].text == "" and len(final[0].token_ids) == 1
+    assert_serves(llm, reference)
+
+
 def test_an_interrupted_generate_aborts_its_requests_before_it_propagates(llm, reference):
     params = SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=200, ignore_eos=True,
                             logits_processors_args={"interrupt_after": 3})

@@ -234,7 +234,15 @@ class LLMEngine:
             victims = list(self.scheduler.waiting)
             self.scheduler.waiting.clear()
         self._fail(victims, error, finished)
-        return [r.to_output() for r in finished]
+        return [self._final_output(r) for r in finished]
+
+    @staticmethod
+    def _final_output(request: Request) -> RequestOutput:
+        try:
+            return request.to_output()
+        except Exception:  # the detokenizer may be what failed: the error reaches the caller without text
+            logger.exception("request %s: its output could not be detokenized", request.request_id)
+            return request.to_output(detokenize=False)
 
     def _fail(self, requests: list[Request], error: BaseException, finished: list[Request]) -> None:
         for r in requests:

@@ -143,14 +143,16 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, detokenize: bool = True) -> RequestOutput:
+        """This step's output. `detokenize=False` (for a request failed because its detokenizer
+        raised) reports the tokens and the error without text."""
         new_ids = self.output_ids[self._reported_tokens:]
         self._reported_tokens = len(self.output_ids)
         detokenizer = self.detokenizer
-        delta = detokenizer.take_delta(final=self.finished)
-        released = detokenizer.released_length
+        delta = detokenizer.take_delta(final=self.finished) if detokenize else ""
+        released = detokenizer.released_length if detokenize else 0
         out = CompletionOutput(
-            index=self.index, text=lambda: detokenizer.released_text[:released],
+            index=self.index, text=(lambda: detokenizer.released_text[:released]) if detokenize else "",
             token_ids=PrefixView(self.output_ids),
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             logprobs=PrefixView(self.logprobs) if self.params.logprobs is not None else None,
