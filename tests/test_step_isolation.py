@@ -68,46 +68,37 @@ def test_a_processor_failing_some_requests_still_forces_for_the_others(llm):
     assert outs[1].finish_reason == "length" and outs[1].token_ids == [12, 12, 12]
 
 
-def test_an_exception_outside_request_isolation_fails_the_batch_not_the_engine(llm, reference):
-    """A detokenizer that raises on a forced token fails outside any processor's isolation: the
-    step's requests end with an error naming it, and the engine serves the next request."""
-    engine = llm.engine
-    requests = engine.make_requests(PROMPTS[0], greedy(max_tokens=4, force_token=11))
+def explode(*args, **kwargs):
+    raise RuntimeError("detokenizer exploded")
 
-    def explode(token):
-        raise RuntimeError("detokenizer exploded")
 
-    requests[0].detokenizer.add = explode
+def finish_broken(engine, params, method):
+    """Run one request whose detokenizer raises in `method`; its final output."""
+    requests = engine.make_requests(PROMPTS[0], params)
+    setattr(requests[0].detokenizer, method, explode)
     engine.enqueue(requests)
     outputs = []
     for _ in range(20):
         if not engine.has_unfinished_requests():
             break
         outputs += engine.step()
-    final = [o.outputs for o in outputs if o.finished]
-    assert final and final[0].finish_reason == "error"
-    assert "the engine step failed: RuntimeError: detokenizer exploded" in final[0].error
     assert not engine.has_unfinished_requests()
+    final = [o.outputs for o in outputs if o.finished]
+    assert len(final) == 1 and final[0].finish_reason == "error"
+    return final[0]
+
+
+def test_an_exception_outside_request_isolation_fails_the_batch_not_the_engine(llm, reference):
+    """A detokenizer that raises on a forced token fails outside any processor's isolation: the
+    step's requests end with an error naming it, and the engine serves the next request."""
+    out = finish_broken(llm.engine, greedy(max_tokens=4, force_token=11), "add")
+    assert "the engine step failed: RuntimeError: detokenizer exploded" in out.error
     assert_serves(llm, reference)
 
 
 def test_a_detokenizer_that_keeps_failing_fails_its_batch_and_the_engine_serves_on(llm, reference):
-    engine = llm.engine
-    requests = engine.make_requests(PROMPTS[0], greedy(max_tokens=4))
-
-    def explode(final=False):
-        raise RuntimeError("detokenizer exploded")
-
-    requests[0].detokenizer.take_delta = explode
-    engine.enqueue(requests)
-    outputs = []
-    for _ in range(20):
-        if not engine.has_unfinished_requests():
-            break
-        outputs += engine.step()
-    final = [o.outputs for o in outputs if o.finished]
-    assert final and final[0].finish_reason == "error" and "detokenizer exploded" in final[0].error
-    assert final[0].text == "" and len(final[0].token_ids) == 1
+    out = finish_broken(llm.engine, greedy(max_tokens=4), "take_delta")
+    assert "detokenizer exploded" in out.error and out.text == "" and len(out.token_ids) == 1
     assert_serves(llm, reference)
 
 
