@@ -126,10 +126,11 @@ class _LlamaBatch:
         import llama_cpp
 
         self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(gguf, n_ctx=max_batch * max_len, n_batch=max(512, max_batch), n_ubatch=512,
-                                   n_seq_max=max_batch, n_threads=THREADS, n_threads_batch=THREADS,
-                                   logits_all=False, verbose=False)
-        self.ctx = self.llm._ctx.ctx
+        self.llm = llama_cpp.Llama(gguf, n_ctx=max_len, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+        params = self.llm.context_params  # the high-level object opens one sequence; the batch needs more
+        params.n_ctx, params.n_batch, params.n_ubatch = max_batch * max_len, max(512, max_batch), 512
+        params.n_seq_max, params.kv_unified = max_batch, True
+        self.ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
         self.vocab = self.llm.n_vocab()
         self.batch = llama_cpp.llama_batch_init(max(512, max_batch), 0, max_batch)
 
