@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import re
@@ -114,6 +115,20 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(se
         assert s in closed and closed[s] < 5 + 2, closed  # the default --keep-alive-timeout is 5 s
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("request_head", [b"NOT HTTP AT ALL\r\n\r\n",
+                                          b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000],
+                         ids=["garbage", "unfinished-head-over-16KiB"])
+def test_a_request_http_cannot_parse_gets_a_json_400(server, request_head):
+    with connect(server) as s:
+        s.sendall(request_head)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http"
 
 
 def test_connections_beyond_the_limit_get_a_json_503_and_service_resumes_when_they_close(server):

@@ -121,6 +121,17 @@ class BoundedH11Protocol(H11Protocol):
         else:
             self._read_deadline += len(data) / BODY_BYTES_PER_EXTRA_SECOND
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a broken request line, a head unfinished after 16 KiB): the JSON
+        error body every other answer has, where uvicorn sends plain text."""
+        body = json.dumps(OpenAIError(400, f"malformed HTTP request: {msg}", code="invalid_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def _arm_read_timer(self) -> None:
         self._read_deadline = self.loop.time() + self.limits.read_timeout_s
         self._read_timer = self.loop.call_at(self._read_deadline, self._read_timed_out)
