@@ -75,6 +75,17 @@ def test_widen_gives_the_float32_values_of_a_weight(kernels, dtype):
     np.testing.assert_array_equal(kernels.widen(w, scale).numpy(), want.numpy())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_quantize_rows_matches_the_paddle_arithmetic(kernels, dtype):
+    from fastdeploy_lp.model.loader import paddle_quantize_rows
+    w = paddle.randn([37, 131]).astype(dtype)
+    w[3] = 0  # an all-zero row keeps scale 1
+    q, scale = kernels.quantize_rows(w)
+    want_q, want_scale = paddle_quantize_rows(w)
+    np.testing.assert_array_equal(scale.numpy(), want_scale.numpy())
+    np.testing.assert_array_equal(q.numpy(), want_q.numpy())
+
+
 def test_linear_reads_a_row_slice_where_it_starts(kernels):
     x = paddle.randn([6, 32])
     w = paddle.randn([20, 32])

@@ -129,6 +129,11 @@ class CpuKernels:
         for fn in self._linears.values():
             fn.argtypes = [ptr] * 5 + [i64] * 3 + [c_int]
             fn.restype = None
+        self._quantizers = {dtype: getattr(library, f"fdlp_quantize_{name}") for dtype, name in
+                            ((paddle.float32, "f32"), (paddle.bfloat16, "bf16"), (paddle.float16, "f16"))}
+        for fn in self._quantizers.values():
+            fn.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
+            fn.restype = None
         self._widens = {dtype: getattr(library, f"fdlp_widen_{name}") for dtype, name in
                         ((paddle.bfloat16, "bf16"), (paddle.float16, "f16"), (paddle.int8, "i8"))}
         for fn in self._widens.values():
@@ -169,6 +174,16 @@ class CpuKernels:
         self._widens[weight.dtype](weight.data_ptr(), None if scale is None else scale.data_ptr(), out.data_ptr(),
                                    weight.shape[0], weight.shape[1], _threads)
         return out
+
+    def quantize_rows(self, weight: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """`loader.quantize_rows` (int8 per output row, symmetric) of a float32, bfloat16 or float16
+        2-D weight, read in its own format: no float32 temporaries."""
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        q = paddle.empty(weight.shape, dtype="int8")
+        scale = paddle.empty(weight.shape[:1], dtype="float32")
+        self._quantizers[weight.dtype](weight.data_ptr(), q.data_ptr(), scale.data_ptr(), weight.shape[0],
+                                       weight.shape[1], _threads)
+        return q, scale
 
     def read_sum(self, x: paddle.Tensor) -> float:
         """The sum of a contiguous float32 tensor, read by every thread: the benchmarks time it as

@@ -73,11 +73,18 @@ static inline float lane_sum(vec v) { /* a halving tree: log2(LANES) adds, not L
 
 /* The linear kernel, once per weight format (`linear.h`): float32, bfloat16 and float16 weights
  * widened to float32 in registers, int8 weights dequantized by a per-row scale. Activations and
- * accumulation stay float32 in every format. */
+ * accumulation stay float32 in every format. The float formats also get `fdlp_quantize_*`. */
+static inline float widen_one_f32(float x) { return x; }
 static inline vec load_w_f32(const float *p) { return load(p); }
 static inline vec load_w_tail_f32(const float *p, int64_t n) { return load_tail(p, n); }
 
 typedef uint16_t hvec __attribute__((vector_size(LANES * 2), aligned(2)));
+static inline float widen_one_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
 static inline vec widen_bf16(hvec h) { return (vec)(__builtin_convertvector(h, ivec) << 16); }
 static inline vec load_w_bf16(const uint16_t *p) { return widen_bf16(*(const hvec *)p); }
 static inline vec load_w_tail_bf16(const uint16_t *p, int64_t n) {
@@ -86,6 +93,7 @@ static inline vec load_w_tail_bf16(const uint16_t *p, int64_t n) {
     return widen_bf16(h);
 }
 
+static inline float widen_one_f16(_Float16 h) { return (float)h; }
 typedef _Float16 fhvec __attribute__((vector_size(LANES * 2), aligned(2)));
 static inline vec load_w_f16(const _Float16 *p) { return __builtin_convertvector(*(const fhvec *)p, vec); }
 static inline vec load_w_tail_f16(const _Float16 *p, int64_t n) {
@@ -104,12 +112,15 @@ static inline vec load_w_tail_i8(const int8_t *p, int64_t n) {
 
 #define WEIGHT float
 #define FORMAT f32
+#define QUANTIZE
 #include "linear.h"
 #define WEIGHT uint16_t
 #define FORMAT bf16
+#define QUANTIZE
 #include "linear.h"
 #define WEIGHT _Float16
 #define FORMAT f16
+#define QUANTIZE
 #include "linear.h"
 #define WEIGHT int8_t
 #define FORMAT i8

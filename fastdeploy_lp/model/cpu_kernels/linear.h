@@ -130,8 +130,34 @@ void NAME(fdlp_widen)(const WEIGHT *w, const float *scale, float *out, int64_t n
     }
 }
 
+#ifdef QUANTIZE
+/* q[n, :] = round(w[n, :] / scale[n]) with scale[n] = max |w[n, :]| / 127 (1 for an all-zero row),
+ * rounding half away from zero: `loader.quantize_rows`' arithmetic, at load, straight from the
+ * checkpoint's format (Paddle's ops took minutes and float32 temporaries for a 7B model). */
+void NAME(fdlp_quantize)(const WEIGHT *w, int8_t *q, float *scale, int64_t n_len, int64_t k_len, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < n_len; n++) {
+        const WEIGHT *row = w + n * k_len;
+        float top = 0.f;
+        for (int64_t k = 0; k < k_len; k += LANES) {
+            vec v = k + LANES <= k_len ? NAME(load_w)(row + k) : NAME(load_w_tail)(row + k, k_len - k);
+            for (int i = 0; i < LANES; i++) top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+        }
+        float s = top > 0.f ? top / 127.f : 1.f;
+        scale[n] = s;
+        for (int64_t k = 0; k < k_len; k++) {
+            float x = NAME(widen_one)(row[k]) / s;
+            float t = (float)(int32_t)x, d = x - t;
+            t += d >= 0.5f ? 1.f : d <= -0.5f ? -1.f : 0.f;
+            q[n * k_len + k] = (int8_t)(t > 127.f ? 127.f : t < -127.f ? -127.f : t);
+        }
+    }
+}
+#endif
+
 #undef NAME
 #undef CONCAT
 #undef CONCAT_
 #undef WEIGHT
 #undef FORMAT
+#undef QUANTIZE
