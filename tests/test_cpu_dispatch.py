@@ -89,7 +89,7 @@ def test_calibration_measures_every_op_and_is_cached(tmp_path, monkeypatch, capl
     library = tmp_path / "cpu_kernels-x.so"
     monkeypatch.setattr(kernels, "path", library)
     monkeypatch.setattr(cpu_dispatch, "_logged", set())
-    model = load_model(FDConfig.create(device="cpu").model_config, max_positions=512)
+    model = load_model(FDConfig.create(device="cpu").model_config, max_positions=100)  # a context under 256
     with caplog.at_level(logging.INFO, logger="fastdeploy_lp.model.cpu_dispatch"):
         plan = cpu_dispatch.prepare(model, 16)
         assert cpu_dispatch.prepare(model, 16) == plan  # read back from the file

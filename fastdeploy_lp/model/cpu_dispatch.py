@@ -13,7 +13,7 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 | `transpose` | decode (8 rows), prefill (64) | a `[2 * intermediate, rows]` product                 |
 | `swiglu`    | decode (32 rows), prefill (256)| `[rows, 2 * intermediate]`                          |
 | `rotary`    | decode (8 tokens), prefill (256)| layer 0's heads, a paged batch                     |
-| `attention` | decode (8 x 1 token over 256), prefill (128 over 128) | layer 0's heads, a paged cache |
+| `attention` | decode (8 x 1 token over 256), prefill (128 over 128), shorter for a shorter context | layer 0's heads, a paged cache |
 | `argmax`    | all (timed at 8 rows: both scale with rows) | `[8, vocab]`                           |
 | `widen`     | all (16-bit and int8 weights only) | 8 MB of layer 0's gate/up weight to float32     |
 
@@ -115,7 +115,8 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up))
         logits = paddle.randn([8, cfg.vocab_size])
         plan["argmax:all"] = _kernel_wins(lambda: kernels.argmax(logits), lambda: paddle.argmax(logits, axis=-1))
-        for bucket, seqs, new, length in (("decode", 8, 1, 256), ("prefill", 1, 128, 128)):
+        span = min(256, model.rotary.cos.shape[0])  # positions the model's rotary table holds
+        for bucket, seqs, new, length in (("decode", 8, 1, span), ("prefill", 1, span // 2, span // 2)):
             batch, cache = _paged_batch(attn, block_size, seqs, new, length)
             qkv = paddle.randn([seqs * new, attn.q_size + 2 * attn.kv_size])
             if attn.q_norm is None:  # the rotary kernel has no q/k norm
