@@ -37,8 +37,8 @@ from collections.abc import Callable
 import paddle
 import paddle.nn.functional as F
 
-from . import cpu_features, cpu_kernels
-from .layers import AttentionBatch, paddle_linear, paddle_widen
+from fastdeploy_lp.model import cpu_features, cpu_kernels
+from fastdeploy_lp.model.layers import AttentionBatch, paddle_linear, paddle_widen
 
 logger = logging.getLogger(__name__)
 

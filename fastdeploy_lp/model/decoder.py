@@ -10,9 +10,9 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from ..config import ModelConfig
-from ..distributed.shard import TensorShard
-from .layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear
+from fastdeploy_lp.config import ModelConfig
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear
 
 
 class DecoderLayer(nn.Layer):

@@ -16,10 +16,10 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.incubate.nn.functional import fused_rms_norm
 
-from ..config import ModelConfig
-from ..distributed.shard import TensorShard
-from . import cpu_features, cpu_kernels
-from .activations import activation
+from fastdeploy_lp.config import ModelConfig
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model import cpu_features, cpu_kernels
+from fastdeploy_lp.model.activations import activation
 
 
 _FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T

@@ -22,11 +22,11 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from ..config import ModelConfig, UnsupportedCheckpointError
-from ..distributed.shard import TensorShard
-from . import cpu_kernels
-from .decoder import DecoderForCausalLM
-from .layers import rope_inverse_frequencies
+from fastdeploy_lp.config import ModelConfig, UnsupportedCheckpointError
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model.decoder import DecoderForCausalLM
+from fastdeploy_lp.model.layers import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 

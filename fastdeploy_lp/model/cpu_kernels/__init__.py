@@ -39,7 +39,7 @@ from pathlib import Path
 
 import paddle
 
-from .. import cpu_features
+from fastdeploy_lp.model import cpu_features
 
 logger = logging.getLogger(__name__)
 
