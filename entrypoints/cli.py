@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from ..config import default_model_path
-from .openai.args import add_server_args, missing_model_hint
+from fastdeploy_lp.config import default_model_path
+from fastdeploy_lp.entrypoints.openai.args import add_server_args, missing_model_hint
 
 CAPITAL_SCHEMA = {
     "type": "object",
@@ -40,8 +40,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ..engine.llm import LLM
-    from ..sampling_params import GuidedDecodingParams, SamplingParams
+    from fastdeploy_lp.engine.llm import LLM
+    from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
 
     try:
         llm = LLM(args.model, device=args.device, max_num_seqs=2)
@@ -64,7 +64,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.command == "serve":
-        from .openai.api_server import run_server
+        from fastdeploy_lp.entrypoints.openai.api_server import run_server
 
         return run_server(args)
     return run_demo(args)

@@ -1,9 +1,9 @@
 """fastdeploy_lp: a Paddle LLM inference engine whose sampling path is a registered pipeline of
 logits processors, with an OpenAI-compatible server and an offline API."""
 
-from .config import FDConfig, ModelConfig
-from .engine import LLM, LLMEngine, RequestOutput
-from .sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.config import FDConfig, ModelConfig
+from fastdeploy_lp.engine import LLM, LLMEngine, RequestOutput
+from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = ["FDConfig", "GuidedDecodingParams", "LLM", "LLMEngine", "ModelConfig", "RequestOutput",
            "SamplingParams"]

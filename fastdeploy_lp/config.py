@@ -376,7 +376,7 @@ class FDConfig:
                quantization: str | None = None) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
-        from .distributed.checks import check_tensor_parallel
+        from fastdeploy_lp.distributed.checks import check_tensor_parallel
 
         check_tensor_parallel(model_config, device, tensor_parallel_size)  # before any weight loads
         if dtype in (None, "auto"):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .tokenizer.text import check_text
+from fastdeploy_lp.tokenizer.text import check_text
 
 MAX_N = 128
 MAX_TEMPERATURE = 100.0

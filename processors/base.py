@@ -38,7 +38,7 @@ import numpy as np
 import paddle
 from pydantic import BaseModel
 
-from ..sampling_params import SamplingParams
+from fastdeploy_lp.sampling_params import SamplingParams
 
 SHARE_INPUTS_VERSION = 1  # bumped whenever a field is added to `ShareInputs`; fields are never removed
 

@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import paddle
 
-from .base import AddedRequest, BatchUpdate, ShareInputs, active_slots
-from .tensor_ops import index_tensor
+from fastdeploy_lp.processors.base import AddedRequest, BatchUpdate, ShareInputs, active_slots
+from fastdeploy_lp.processors.tensor_ops import index_tensor
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 

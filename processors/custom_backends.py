@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import paddle
 
-from .base import LogitsProcessor, RequestFailures, active_slots
+from fastdeploy_lp.processors.base import LogitsProcessor, RequestFailures, active_slots
 
 logger = logging.getLogger(__name__)
 

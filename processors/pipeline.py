@@ -27,9 +27,10 @@ import numpy as np
 import paddle
 from pydantic import ValidationError
 
-from .base import LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs, active_slots
-from .registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
-from .step_view import ForcedTokens, ForcedTokensError, ReadOnlyArgs, StepView
+from fastdeploy_lp.processors.base import (LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs,
+                                           active_slots)
+from fastdeploy_lp.processors.registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
+from fastdeploy_lp.processors.step_view import ForcedTokens, ForcedTokensError, ReadOnlyArgs, StepView
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .base import LogitsProcessor
+from fastdeploy_lp.processors.base import LogitsProcessor
 
 BUILTIN_PROCESSORS: dict[str, str] = {
     "LogitBiasLogitsProcessor": "fastdeploy_lp.processors.builtin.logit_bias",

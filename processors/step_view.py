@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import LogitsProcessorArgs, ShareInputs
+from fastdeploy_lp.processors.base import LogitsProcessorArgs, ShareInputs
 
 
 class ReadOnlyArgs(LogitsProcessorArgs):

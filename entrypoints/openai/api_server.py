@@ -27,23 +27,24 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI
 
-from ...distributed.runner import TensorParallelError
-from ...engine.async_engine import AsyncLLMEngine
-from ...engine.engine import LLMEngine
-from ...engine.llm import build_engine
-from ...processors.custom_backends import load_custom_backends
-from .args import (cache_config_from_args, make_parser, missing_model_hint, request_limits_from_args, resolve_api_key,
-                   trust_custom_code)
-from .connections import ConnectionLimits, bounded_protocol, fit_to_open_file_limit, throttle_accept_errors
-from .exception_handlers import EXCEPTION_HANDLERS
-from .limits import RequestLimits
-from .metrics import ServerMetrics
-from .middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .request_body import document_request_models
-from .routers import ROUTERS
-from .serving_chat import OpenAIServingChat
-from .serving_completion import OpenAIServingCompletion
+from fastdeploy_lp.distributed.runner import TensorParallelError
+from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
+from fastdeploy_lp.engine.engine import LLMEngine
+from fastdeploy_lp.engine.llm import build_engine
+from fastdeploy_lp.entrypoints.openai.args import (cache_config_from_args, make_parser, missing_model_hint,
+                                                   request_limits_from_args, resolve_api_key, trust_custom_code)
+from fastdeploy_lp.entrypoints.openai.connections import (ConnectionLimits, bounded_protocol, fit_to_open_file_limit,
+                                                          throttle_accept_errors)
+from fastdeploy_lp.entrypoints.openai.exception_handlers import EXCEPTION_HANDLERS
+from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
+from fastdeploy_lp.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy_lp.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy_lp.entrypoints.openai.request_body import document_request_models
+from fastdeploy_lp.entrypoints.openai.routers import ROUTERS
+from fastdeploy_lp.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastdeploy_lp.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy_lp.processors.custom_backends import load_custom_backends
 
 logger = logging.getLogger(__name__)
 

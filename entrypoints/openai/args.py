@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from ...config import CacheConfig, default_model_path
-from ...reasoning import REASONING_PARSERS
-from ...processors.custom_backends import TRUST_ENV
-from ...sampling_params import MAX_N
-from .connections import DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_REQUEST_READ_TIMEOUT_S
-from .limits import RequestLimits
+from fastdeploy_lp.config import CacheConfig, default_model_path
+from fastdeploy_lp.entrypoints.openai.connections import (DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY,
+                                                          DEFAULT_REQUEST_READ_TIMEOUT_S)
+from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
+from fastdeploy_lp.processors.custom_backends import TRUST_ENV
+from fastdeploy_lp.reasoning import REASONING_PARSERS
+from fastdeploy_lp.sampling_params import MAX_N
 
 API_KEY_ENV = "FASTDEPLOY_LP_API_KEY"
 

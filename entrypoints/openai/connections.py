@@ -33,7 +33,7 @@ except ImportError:  # Windows: no open-file limit to fit
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import RETRY_LATER, OpenAIError
+from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError
 
 logger = logging.getLogger(__name__)
 

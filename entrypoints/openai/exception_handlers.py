@@ -10,10 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...engine.async_engine import EngineNotServingError
-from .errors import RETRY_LATER, OpenAIError, from_error_dicts
-from .middleware import RequestTooLarge, too_large
-from .serving_engine import ClientDisconnected
+from fastdeploy_lp.engine.async_engine import EngineNotServingError
+from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError, from_error_dicts
+from fastdeploy_lp.entrypoints.openai.middleware import RequestTooLarge, too_large
+from fastdeploy_lp.entrypoints.openai.serving_engine import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import bad_request
+from fastdeploy_lp.entrypoints.openai.errors import bad_request
 
 
 @dataclass(frozen=True)

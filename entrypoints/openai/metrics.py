@@ -25,8 +25,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ...engine.async_engine import AsyncLLMEngine, RequestStream
-from ...engine.request import RequestOutput
+from fastdeploy_lp.engine.async_engine import AsyncLLMEngine, RequestStream
+from fastdeploy_lp.engine.request import RequestOutput
 
 PREFIX = "fastdeploy_lp:"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

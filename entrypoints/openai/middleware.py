@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from .errors import OpenAIError
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # what load balancers and scrapers need, without a key
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ...sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
 
 _REQUEST = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 _NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)

@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ...tokenizer.text import first_unencodable, unencodable_message
-from .errors import OpenAIError, bad_request, from_validation_error
-from .limits import RequestLimits
-from .serving_engine import ClientDisconnected
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error
+from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
+from fastdeploy_lp.entrypoints.openai.serving_engine import ClientDisconnected
+from fastdeploy_lp.tokenizer.text import first_unencodable, unencodable_message
 
 IGNORED_FIELDS_HEADER = "x-fastdeploy-lp-ignored-fields"
 MAX_JSON_DEPTH = 128  # far beyond any real request (a JSON schema nests ~2 levels per level)

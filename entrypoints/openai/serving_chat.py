@@ -27,14 +27,14 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.async_engine import RequestStream
-from .protocol import ChatCompletionRequest
-from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error, engine_error_event,
-                             final_outputs, sse, usage, value_errors_as_400)
-
-from ...processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
-from ...reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
-from ...tokenizer.chat_template import render_chat_prompt
+from fastdeploy_lp.engine.async_engine import RequestStream
+from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
+                                                             engine_error_event, final_outputs, sse, usage,
+                                                             value_errors_as_400)
+from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
+from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
+from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -13,10 +13,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.async_engine import RequestStream
-from .protocol import CompletionRequest
-from .serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, abort_all, choice_error, engine_error_event,
-                             final_outputs, merge_streams, sse, usage, value_errors_as_400)
+from fastdeploy_lp.engine.async_engine import RequestStream
+from fastdeploy_lp.entrypoints.openai.protocol import CompletionRequest
+from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, abort_all,
+                                                             choice_error, engine_error_event, final_outputs,
+                                                             merge_streams, sse, usage, value_errors_as_400)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

@@ -7,7 +7,7 @@ run. The runner that starts the ranks (`runner.TensorParallelRunner`) and the ra
 depends on the model, which depends on this package.
 """
 
-from .checks import check_tensor_parallel
-from .shard import TensorShard
+from fastdeploy_lp.distributed.checks import check_tensor_parallel
+from fastdeploy_lp.distributed.shard import TensorShard
 
 __all__ = ["TensorShard", "check_tensor_parallel"]

@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from fastdeploy_lp.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

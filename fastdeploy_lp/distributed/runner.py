@@ -32,9 +32,9 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import paddle
 
-from ..config import FDConfig
-from ..engine.runner import SequenceFeed, use_device
-from .worker import WorkerSpec, run_worker
+from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.distributed.worker import WorkerSpec, run_worker
+from fastdeploy_lp.engine.runner import SequenceFeed, use_device
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from ..config import CacheConfig, FDConfig, ModelConfig
+from fastdeploy_lp.config import CacheConfig, FDConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def run_worker(spec: WorkerSpec, conns: list[Connection]) -> None:
 def _start(spec: WorkerSpec, rank: int):
     import paddle.distributed as dist
 
-    from ..engine.runner import ModelRunner
-    from .shard import TensorShard
+    from fastdeploy_lp.engine.runner import ModelRunner
+    from fastdeploy_lp.distributed.shard import TensorShard
 
     device = spec.device
     if device.startswith("gpu"):

@@ -1,7 +1,7 @@
 """Requests, slot scheduling, the model runner, the sampler, the engine loop and the offline `LLM`."""
 
-from .engine import LLMEngine
-from .llm import LLM
-from .request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from fastdeploy_lp.engine.engine import LLMEngine
+from fastdeploy_lp.engine.llm import LLM
+from fastdeploy_lp.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
 
 __all__ = ["LLM", "CompletionOutput", "FinishReason", "LLMEngine", "Logprob", "RequestOutput"]

@@ -25,9 +25,9 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ..sampling_params import SamplingParams
-from .engine import LLMEngine
-from .request import RequestOutput
+from fastdeploy_lp.engine.engine import LLMEngine
+from fastdeploy_lp.engine.request import RequestOutput
+from fastdeploy_lp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -24,17 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from ..config import FDConfig
-from ..processors.custom_backends import RequestLogitsProcessorAdapter
-from ..processors.guided import GuidedDecodingLogitsProcessor
-from ..processors.pipeline import LogitsProcessorPipeline
-from ..sampling_params import SamplingParams
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .request import FinishReason, Logprob, Request, RequestOutput
-from .kv_cache import BlockPool
-from .runner import ModelRunner, SequenceFeed
-from .sampler import Sampler
-from .scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.engine.kv_cache import BlockPool
+from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
+from fastdeploy_lp.engine.runner import ModelRunner, SequenceFeed
+from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
+from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
+from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
+from fastdeploy_lp.sampling_params import SamplingParams
+from fastdeploy_lp.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,13 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from ..config import CacheConfig, FDConfig
-from ..reasoning import get_reasoning_parser
-from ..processors.builtin.tool_execution import load_tool_functions
-from ..sampling_params import SamplingParams
-from ..tokenizer.chat_template import render_chat_prompt
-from .engine import LLMEngine
-from .request import RequestOutput
+from fastdeploy_lp.config import CacheConfig, FDConfig
+from fastdeploy_lp.engine.engine import LLMEngine
+from fastdeploy_lp.engine.request import RequestOutput
+from fastdeploy_lp.processors.builtin.tool_execution import load_tool_functions
+from fastdeploy_lp.reasoning import get_reasoning_parser
+from fastdeploy_lp.sampling_params import SamplingParams
+from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from enum import Enum
 from typing import Callable
 
 
-from ..sampling_params import SamplingParams
-from ..tokenizer import IncrementalDetokenizer
+from fastdeploy_lp.sampling_params import SamplingParams
+from fastdeploy_lp.tokenizer import IncrementalDetokenizer
 
 
 class FinishReason(str, Enum):

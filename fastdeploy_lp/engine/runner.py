@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import paddle
 
-from ..config import FDConfig
-from ..distributed.shard import TensorShard
-from ..model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
-from ..model.loader import weight_bytes
+from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
+from fastdeploy_lp.model.loader import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class ModelRunner:
     def create(cls, fd_config: FDConfig):
         """The runner `fd_config` asks for: this one, or the tensor-parallel one."""
         if fd_config.tensor_parallel_size > 1:
-            from ..distributed.runner import TensorParallelRunner
+            from fastdeploy_lp.distributed.runner import TensorParallelRunner
 
             return TensorParallelRunner(fd_config)
         return cls(fd_config)

@@ -33,9 +33,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ..model.layers import kernels_for
-from ..processors.tensor_ops import add_at, fill_at
-from .request import Logprob, Request
+from fastdeploy_lp.engine.request import Logprob, Request
+from fastdeploy_lp.model.layers import kernels_for
+from fastdeploy_lp.processors.tensor_ops import add_at, fill_at
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..processors.base import LogitsProcessorArgs, ShareInputs
-from .kv_cache import BlockPool, block_hashes
-from .request import Request
+from fastdeploy_lp.engine.kv_cache import BlockPool, block_hashes
+from fastdeploy_lp.engine.request import Request
+from fastdeploy_lp.processors.base import LogitsProcessorArgs, ShareInputs
 
 _SAMPLING_FIELDS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
                     "repetition_penalty": np.float32, "frequency_penalty": np.float32,

@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .text import check_text
+from fastdeploy_lp.tokenizer.text import check_text
 
 
 def _raise(message: str):

@@ -8,7 +8,7 @@ vLLM does, and releases text only once it no longer ends in a partial character.
 
 from __future__ import annotations
 
-from .tokenizer import Tokenizer
+from fastdeploy_lp.tokenizer.tokenizer import Tokenizer
 
 _CONTEXT = 6  # prompt tokens kept as left context so the first output piece decodes as in the middle
 

@@ -9,8 +9,8 @@ import re
 from functools import cached_property
 from typing import Any
 
-from .chat_template import ChatTemplate
-from .text import check_text
+from fastdeploy_lp.tokenizer.chat_template import ChatTemplate
+from fastdeploy_lp.tokenizer.text import check_text
 
 # transformers >= 5 builds the Qwen2 tokenizer's pre-tokenizer in code (digits one by one, a space
 # before a number kept apart) whatever `tokenizer.json` says; we do the same so ids match it.

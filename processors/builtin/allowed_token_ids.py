@@ -19,10 +19,10 @@ import numpy as np
 import paddle
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..base import AddedRequest, LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import gather_rows, index_tensor
-from ..validation import check_token_ids
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.tensor_ops import gather_rows, index_tensor
+from fastdeploy_lp.processors.validation import check_token_ids
 
 
 class AllowedTokenIdsArgs(BaseModel):

@@ -25,11 +25,11 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..base import AddedRequest, LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import fill_at
-from ..token_history import TokenHistory
-from ..validation import check_token_ids
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.tensor_ops import fill_at
+from fastdeploy_lp.processors.token_history import TokenHistory
+from fastdeploy_lp.processors.validation import check_token_ids
 
 StrictInt = Annotated[int, Field(strict=True)]
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -21,10 +21,10 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from ..base import AddedRequest, LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import add_at
-from ..validation import check_token_ids
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.tensor_ops import add_at
+from fastdeploy_lp.processors.validation import check_token_ids
 
 FLOAT32_MAX = 3.4028234663852886e38
 

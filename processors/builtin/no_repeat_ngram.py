@@ -23,10 +23,10 @@ import numpy as np
 import paddle
 from pydantic import BaseModel, Field
 
-from ..base import AddedRequest, LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import add_at, index_tensor
-from ..token_history import TokenHistory
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.tensor_ops import add_at, index_tensor
+from fastdeploy_lp.processors.token_history import TokenHistory
 
 
 class NoRepeatNGramArgs(BaseModel):

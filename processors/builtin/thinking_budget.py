@@ -24,10 +24,10 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
-from ..base import AddedRequest, LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker, RowEntries
-from ..tensor_ops import fill_at, index_tensor
-from ..token_history import TokenHistory
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.tensor_ops import fill_at, index_tensor
+from fastdeploy_lp.processors.token_history import TokenHistory
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -27,8 +27,8 @@ from typing import Callable
 
 from pydantic import BaseModel, Field
 
-from ..base import LogitsProcessor, ShareInputs
-from ..batch_state import BatchTracker
+from fastdeploy_lp.processors.base import LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker
 
 logger = logging.getLogger(__name__)
 _RESULTS_START, _RESULTS_END = "<results>", "</results>"

@@ -6,9 +6,9 @@
     generation.py   POST /v1/chat/completions → serving_chat.py, POST /v1/completions → serving_completion.py
 """
 
-from .generation import router as generation_router
-from .health import router as health_router
-from .models import router as models_router
+from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router
+from fastdeploy_lp.entrypoints.openai.routers.health import router as health_router
+from fastdeploy_lp.entrypoints.openai.routers.models import router as models_router
 
 ROUTERS = (health_router, models_router, generation_router)
 

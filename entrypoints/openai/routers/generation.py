@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from ..protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                        ErrorResponse)
-from ..request_body import body_doc, ignored_fields_header, parse_body
-from .health import require_serving
+from fastdeploy_lp.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                       CompletionResponse, ErrorResponse)
+from fastdeploy_lp.entrypoints.openai.request_body import body_doc, ignored_fields_header, parse_body
+from fastdeploy_lp.entrypoints.openai.routers.health import require_serving
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_serving)])
 

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import RETRY_LATER, OpenAIError
-from ..protocol import ErrorResponse
+from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError
+from fastdeploy_lp.entrypoints.openai.protocol import ErrorResponse
 
 router = APIRouter()
 

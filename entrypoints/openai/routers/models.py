@@ -8,9 +8,9 @@ import sys
 
 from fastapi import APIRouter, Request
 
-from ....processors.registry import BUILTIN_PROCESSORS
-from ..errors import OpenAIError
-from ..protocol import ErrorResponse, ModelCard, ModelList
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError
+from fastdeploy_lp.entrypoints.openai.protocol import ErrorResponse, ModelCard, ModelList
+from fastdeploy_lp.processors.registry import BUILTIN_PROCESSORS
 
 router = APIRouter(prefix="/v1")
 
