@@ -13,13 +13,14 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ...engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
-from ...engine.request import Logprob, RequestOutput
-from ...processors.custom_backends import BackendRequestError, CustomBackend, MalformedBackendResult, prepare_request
-from ...processors.guided.compiler import FIELDS as GUIDED_FIELD_NAMES
-from ...processors.guided.compiler import default_compile_timeout_s
-from ...sampling_params import GuidedDecodingParams, SamplingParams
-from .errors import RETRY_LATER, OpenAIError, bad_request, from_value_error
+from fastdeploy_lp.engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
+from fastdeploy_lp.engine.request import Logprob, RequestOutput
+from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError, bad_request, from_value_error
+from fastdeploy_lp.processors.custom_backends import (BackendRequestError, CustomBackend, MalformedBackendResult,
+                                                      prepare_request)
+from fastdeploy_lp.processors.guided.compiler import default_compile_timeout_s
+from fastdeploy_lp.processors.guided.constraint import FIELDS as GUIDED_FIELD_NAMES
+from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 

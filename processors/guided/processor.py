@@ -43,12 +43,15 @@ import numpy as np
 import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-from ...reasoning import ReasoningState, get_reasoning_parser
-from ..base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
-from ..batch_state import BatchTracker
-from .bitmask import mask_logits
-from .compiler import CompiledConstraint, GrammarCompiler, allows_other_than, clean_error, dead_end
-from .tokenizer import build_lltokenizer, lltokenizer_spec
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
+from fastdeploy_lp.processors.batch_state import BatchTracker
+from fastdeploy_lp.processors.guided.bitmask import mask_logits
+from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
+from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
+from fastdeploy_lp.processors.guided.grammar_text import clean_error
+from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
+from fastdeploy_lp.reasoning import ReasoningState, get_reasoning_parser
+from fastdeploy_lp.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +176,6 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
         tokenizer = fd_config.tokenizer
         if tokenizer is None:
-            from fastdeploy_lp.tokenizer import Tokenizer
-
             tokenizer = Tokenizer(fd_config.model_config.model)
         self.tokenizer = tokenizer
         self.reasoning = get_reasoning_parser(getattr(fd_config, "reasoning_parser", None))

@@ -16,9 +16,9 @@ first by one of a few persistent worker processes:
 
 `CompileSandbox.run` is the whole protocol seen from the server. Workers are started with
 `subprocess` (fork + exec of `sys.executable`: no forking of the threaded server) from a short
-bootstrap that loads this package's compiler files under a private package name, so a worker
-imports llguidance and numpy only (not Paddle, not the engine) and starts in a fraction of a
-second. Requests go to the worker pickled (the server is trusted); replies come back as JSON (a
+bootstrap that imports this folder's modules under their own names inside empty stand-ins for the
+packages above it (whose `__init__`s import Paddle and the engine), so a worker imports llguidance
+and numpy only (not Paddle, not the engine) and starts in a fraction of a second. Requests go to the worker pickled (the server is trusted); replies come back as JSON (a
 worker that parsed hostile input is not trusted to send pickles). Workers run at a lower CPU
 priority, ignore Ctrl-C (the server decides when they stop), and exit when their stdin closes or
 their parent process goes away; the server kills them when the pool is garbage-collected and at
@@ -41,6 +41,12 @@ import threading
 import time
 import weakref
 
+import llguidance as llg
+
+from fastdeploy_lp.processors.guided.constraint import (FIELDS, GuidedDecodingError, PlainConstraint, build_constraint,
+                                                        grammar_source)
+from fastdeploy_lp.processors.guided.tokenizer import lltokenizer_from_spec
+
 logger = logging.getLogger(__name__)
 
 WORKER_STACK_BYTES = 8 << 20  # the usual default thread stack on Linux; the server builds with more
@@ -51,11 +57,15 @@ MAX_REPLY_BYTES = 256 << 20
 
 _FRAME = struct.Struct(">I")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_WORKER_PACKAGE = "_fastdeploy_lp_guided_worker"
+# `fastdeploy_lp`, `fastdeploy_lp.processors`, `fastdeploy_lp.processors.guided`: in a worker, empty
+# modules, the last one finding its modules in this folder (the only one a worker reads).
+_PACKAGES = [__package__.rsplit(".", i)[0] for i in range(__package__.count("."), -1, -1)]
 _BOOTSTRAP = (
     "import importlib, sys, types\n"
-    f"p = types.ModuleType({_WORKER_PACKAGE!r}); p.__path__ = [sys.argv[1]]; sys.modules[p.__name__] = p\n"
-    f"importlib.import_module({_WORKER_PACKAGE!r} + '.sandbox').worker_main()\n"
+    f"for name in {_PACKAGES!r}:\n"
+    "    sys.modules[name] = types.ModuleType(name); sys.modules[name].__path__ = []\n"
+    f"sys.modules[{__package__!r}].__path__ = [sys.argv[1]]\n"
+    f"importlib.import_module({__name__!r}).worker_main()\n"
 )
 
 
@@ -423,10 +433,6 @@ def _write_reply(stream, reply: dict) -> None:
 
 
 def _serve(requests, replies, init: dict) -> None:
-    import llguidance as llg
-
-    from .tokenizer import lltokenizer_from_spec
-
     try:
         lltokenizer = lltokenizer_from_spec(init["tokenizer"])
         executor = llg.LLExecutor(1)
@@ -441,10 +447,6 @@ def _serve(requests, replies, init: dict) -> None:
 
 
 def _compile(request: dict, lltokenizer, executor) -> dict:
-    import llguidance as llg
-
-    from .compiler import FIELDS, GuidedDecodingError, PlainConstraint, build_constraint, grammar_source
-
     gd = PlainConstraint(request["constraint"])
     field = FIELDS.get(gd.kinds()[0], "guided_decoding")
     try:

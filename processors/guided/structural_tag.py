@@ -68,7 +68,9 @@ from typing import Any
 import llguidance as llg
 from llguidance.gbnf_to_lark import any_to_lark
 
-from .json_schema import json_format_options
+from fastdeploy_lp.processors.guided.grammar_text import clean_error, is_gbnf
+from fastdeploy_lp.processors.guided.json_schema import (check_depth, drop_custom_formats, json_format_options,
+                                                         schema_depth)
 
 FIELD = "structural_tag"
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -179,8 +181,6 @@ class _LarkBuilder:
 
 def structural_tag_grammar(value: dict, whitespace_pattern: str | None = None) -> str:
     """The llguidance grammar for a structural tag request (either shape); ValueError names the field."""
-    from .json_schema import schema_depth
-
     if not isinstance(value, dict):
         raise ValueError(f"{FIELD}: must be a JSON object")
     depth = schema_depth(value)
@@ -318,8 +318,6 @@ def _validate(grammar: str, failure: str) -> None:
     """ValueError `failure: <llguidance's error>` unless llguidance accepts `grammar`."""
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
-        from .compiler import clean_error
-
         raise ValueError(f"{failure}: {clean_error(error)}")
 
 
@@ -502,8 +500,6 @@ def _json_node(b: _LarkBuilder, node: dict, where: str, ctx: _Ctx) -> tuple[str,
 
 def _schema(schema: Any, where: str) -> Any:
     """A JSON schema from a request (a dict, true, or JSON text), checked and without custom formats."""
-    from .json_schema import check_depth, drop_custom_formats
-
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -532,8 +528,6 @@ def _json(b: _LarkBuilder, schema: dict, where: str, max_ws: int | None = None) 
 
 
 def _side_grammar(b: _LarkBuilder, text: str, where: str) -> str:
-    from .compiler import is_gbnf
-
     if is_gbnf(text):
         try:
             text = any_to_lark(text)

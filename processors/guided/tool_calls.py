@@ -42,9 +42,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from fastdeploy_lp.processors.guided.json_schema import strict_schema
 from fastdeploy_lp.sampling_params import GuidedDecodingParams
-
-from .json_schema import strict_schema
 
 CALL_BEGIN = "<function="
 CALL_END = "</function>"
