@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdeploy_lp.distributed.checks import check_tensor_parallel
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -376,8 +378,6 @@ class FDConfig:
                quantization: str | None = None) -> "FDConfig":
         model_config = ModelConfig.from_pretrained(model or default_model_path())
         device = device or default_device()
-        from fastdeploy_lp.distributed.checks import check_tensor_parallel
-
         check_tensor_parallel(model_config, device, tensor_parallel_size)  # before any weight loads
         if dtype in (None, "auto"):
             dtype = model_config.checkpoint_dtype

@@ -5,15 +5,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fastdeploy_lp.config import ModelConfig
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
 
-def check_tensor_parallel(model_config: "ModelConfig", device: str, size) -> None:
+class SplitCounts(Protocol):
+    """What the check reads of a `ModelConfig`: the counts every rank must get an equal share of
+    (a protocol, not `ModelConfig` itself: config.py imports this module to run the check)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int
+
+
+def check_tensor_parallel(model_config: SplitCounts, device: str, size) -> None:
     """Refuse, with a `ValueError` naming `tensor_parallel_size`, a size the model cannot be split
     into (heads, KV heads, MLP columns and vocabulary must divide evenly), or that this machine or
     Paddle build cannot run: more ranks than GPUs, no NCCL (GPU) or gloo (CPU) in the build, a
