@@ -24,8 +24,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
+import paddle
+import paddle.distributed as dist
 
 from fastdeploy_lp.config import CacheConfig, FDConfig, ModelConfig
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +97,12 @@ def run_worker(spec: WorkerSpec, conns: list[Connection]) -> None:
 
 
 def _start(spec: WorkerSpec, rank: int):
-    import paddle.distributed as dist
-
-    from fastdeploy_lp.engine.runner import ModelRunner
-    from fastdeploy_lp.distributed.shard import TensorShard
-
     device = spec.device
     if device.startswith("gpu"):
         device = f"gpu:{dist.ParallelEnv().device_id}"  # this rank's GPU (spawn's FLAGS_selected_gpus)
     fd_config = spec.fd_config(device)
     if device.startswith("cpu") and fd_config.cpu_threads is None:  # the ranks share the cores
         fd_config.cpu_threads = max(1, len(os.sched_getaffinity(0)) // spec.tensor_parallel_size)
-    import paddle
-
     paddle.set_device(device)
     dist.init_parallel_env()
     return ModelRunner(fd_config, shard=TensorShard(rank, spec.tensor_parallel_size))

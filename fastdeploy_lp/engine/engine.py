@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.distributed.runner import TensorParallelRunner
 from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.runner import ModelRunner, SequenceFeed
@@ -58,6 +59,14 @@ def forced_logprob(request: Request, token: int) -> Logprob | None:
     return Logprob(token, 0.0, {token: 0.0} if request.params.logprobs else {})
 
 
+def build_runner(fd_config: FDConfig) -> ModelRunner | TensorParallelRunner:
+    """The runner `fd_config` asks for: the model in this process, or split over
+    `tensor_parallel_size` processes behind the same interface."""
+    if fd_config.tensor_parallel_size > 1:
+        return TensorParallelRunner(fd_config)
+    return ModelRunner(fd_config)
+
+
 class LLMEngine:
     def __init__(self, fd_config: FDConfig):
         self.fd_config = fd_config
@@ -68,7 +77,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.runner = ModelRunner.create(fd_config)
+        self.runner = build_runner(fd_config)
         cache = fd_config.cache_config
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.pipeline = LogitsProcessorPipeline(fd_config, fd_config.logits_processors,

@@ -108,22 +108,14 @@ class ModelRunner:
     """The decoder and its paged KV cache: one `[blocks * kv_heads * block_size, head_dim]` tensor
     for the keys and one for the values of each layer (layers.AttentionBatch says how it is read).
 
-    The engine builds its runner with `ModelRunner.create`: this class when the model runs in the
-    engine's process, `distributed.runner.TensorParallelRunner` (same interface) when it is split
-    over `tensor_parallel_size` processes. Each of those processes runs a `ModelRunner` with a
-    `shard`: its slice of the model, its KV heads' slice of the cache (same block ids everywhere).
+    The engine runs this class when the model runs in the engine's process, and
+    `distributed.runner.TensorParallelRunner` (same interface) when it is split over
+    `tensor_parallel_size` processes (`engine.engine.build_runner`). Each of those processes runs a
+    `ModelRunner` with a `shard`: its slice of the model, its KV heads' slice of the cache (same
+    block ids everywhere).
     """
 
     failure: str | None = None  # why passes can no longer run (a tensor-parallel rank died); None here
-
-    @classmethod
-    def create(cls, fd_config: FDConfig):
-        """The runner `fd_config` asks for: this one, or the tensor-parallel one."""
-        if fd_config.tensor_parallel_size > 1:
-            from fastdeploy_lp.distributed.runner import TensorParallelRunner
-
-            return TensorParallelRunner(fd_config)
-        return cls(fd_config)
 
     def __init__(self, fd_config: FDConfig, shard: TensorShard | None = None):
         use_device(fd_config)
