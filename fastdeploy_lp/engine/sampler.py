@@ -34,7 +34,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fastdeploy_lp.engine.request import Logprob, Request
-from fastdeploy_lp.model.layers import kernels_for
+from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.processors.tensor_ops import add_at, fill_at
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ class Sampler:
 
     def _sample(self, logits, requests, greedy, uniforms):
         logits = self._apply_min_tokens(logits.astype("float32"), requests)
-        kernels = kernels_for(logits, "argmax", logits.shape[0])
+        on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
+        kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
         argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
         if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
             self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
