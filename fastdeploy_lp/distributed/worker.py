@@ -29,7 +29,7 @@ import paddle.distributed as dist
 
 from fastdeploy_lp.config import CacheConfig, FDConfig, ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.engine.runner import ModelRunner
+from fastdeploy_lp.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.distributed.runner import TensorParallelRunner
 from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
-from fastdeploy_lp.engine.runner import ModelRunner, SequenceFeed
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
 from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
