@@ -18,11 +18,11 @@ first by one of a few persistent worker processes:
 `subprocess` (fork + exec of `sys.executable`: no forking of the threaded server) from a short
 bootstrap that imports this folder's modules under their own names inside empty stand-ins for the
 packages above it (whose `__init__`s import Paddle and the engine), so a worker imports llguidance
-and numpy only (not Paddle, not the engine) and starts in a fraction of a second. Requests go to the worker pickled (the server is trusted); replies come back as JSON (a
-worker that parsed hostile input is not trusted to send pickles). Workers run at a lower CPU
-priority, ignore Ctrl-C (the server decides when they stop), and exit when their stdin closes or
-their parent process goes away; the server kills them when the pool is garbage-collected and at
-exit.
+and numpy only (not Paddle, not the engine) and starts in a fraction of a second. Requests go to
+the worker pickled (the server is trusted); replies come back as JSON (a worker that parsed hostile
+input is not trusted to send pickles). Workers run at a lower CPU priority, ignore Ctrl-C (the
+server decides when they stop), and exit when their stdin closes or their parent process goes
+away; the server kills them when the pool is garbage-collected and at exit.
 """
 
 from __future__ import annotations
