@@ -10,6 +10,9 @@
  * float32.
  */
 #include <math.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -78,36 +81,64 @@ static inline float widen_one_f32(float x) { return x; }
 static inline vec load_w_f32(const float *p) { return load(p); }
 static inline vec load_w_tail_f32(const float *p, int64_t n) { return load_tail(p, n); }
 
-typedef uint16_t hvec __attribute__((vector_size(LANES * 2), aligned(2)));
 static inline float widen_one_bf16(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float x;
     memcpy(&x, &bits, sizeof x);
     return x;
 }
-static inline vec widen_bf16(hvec h) { return (vec)(__builtin_convertvector(h, ivec) << 16); }
-static inline vec load_w_bf16(const uint16_t *p) { return widen_bf16(*(const hvec *)p); }
-static inline vec load_w_tail_bf16(const uint16_t *p, int64_t n) {
-    hvec h = {0};
-    memcpy(&h, p, (size_t)n * 2);
-    return widen_bf16(h);
-}
-
 static inline float widen_one_f16(_Float16 h) { return (float)h; }
-typedef _Float16 fhvec __attribute__((vector_size(LANES * 2), aligned(2)));
-static inline vec load_w_f16(const _Float16 *p) { return __builtin_convertvector(*(const fhvec *)p, vec); }
-static inline vec load_w_tail_f16(const _Float16 *p, int64_t n) {
-    fhvec h = {0};
-    memcpy(&h, p, (size_t)n * 2);
-    return __builtin_convertvector(h, vec);
-}
 
-typedef int8_t bvec __attribute__((vector_size(LANES), aligned(1)));
-static inline vec load_w_i8(const int8_t *p) { return __builtin_convertvector(*(const bvec *)p, vec); }
+/* GCC turns a vector conversion from int8 or _Float16 lanes into one scalar instruction per lane,
+ * so the widening loads use the ISA's own instructions where there is one (F16C's vcvtph2ps,
+ * vpmovsxbd + vcvtdq2ps, vpmovzxwd + a shift for bfloat16): the int8 GEMV read 2.9 GB/s before. */
+#if defined(__AVX512F__)
+static inline vec load_w_bf16(const uint16_t *p) {
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline vec load_w_f16(const _Float16 *p) { return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vec load_w_i8(const int8_t *p) {
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+static inline vec load_w_bf16(const uint16_t *p) {
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+static inline vec load_w_f16(const _Float16 *p) { return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vec load_w_i8(const int8_t *p) {
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline vec load_w_bf16(const uint16_t *p) {
+    vec v;
+    for (int i = 0; i < LANES; i++) v[i] = widen_one_bf16(p[i]);
+    return v;
+}
+static inline vec load_w_f16(const _Float16 *p) {
+    vec v;
+    for (int i = 0; i < LANES; i++) v[i] = widen_one_f16(p[i]);
+    return v;
+}
+static inline vec load_w_i8(const int8_t *p) {
+    vec v;
+    for (int i = 0; i < LANES; i++) v[i] = (float)p[i];
+    return v;
+}
+#endif
+static inline vec load_w_tail_bf16(const uint16_t *p, int64_t n) {
+    uint16_t h[LANES] = {0};
+    memcpy(h, p, (size_t)n * 2);
+    return load_w_bf16(h);
+}
+static inline vec load_w_tail_f16(const _Float16 *p, int64_t n) {
+    _Float16 h[LANES] = {0};
+    memcpy(h, p, (size_t)n * 2);
+    return load_w_f16(h);
+}
 static inline vec load_w_tail_i8(const int8_t *p, int64_t n) {
-    bvec b = {0};
-    memcpy(&b, p, (size_t)n);
-    return __builtin_convertvector(b, vec);
+    int8_t b[LANES] = {0};
+    memcpy(b, p, (size_t)n);
+    return load_w_i8(b);
 }
 
 #define WEIGHT float
