@@ -171,7 +171,7 @@ def test_a_second_sigint_ends_running_requests_at_once_with_json_errors_and_done
                      "--logits-processors", "server_processors:SlowLogitsProcessor", model=default_model_path())
     body = chat(max_tokens=200, ignore_eos=True, logits_processors_args={"slow_ms": 100})
     results: dict[str, object] = {}
-    streaming = threading.Event()
+    streaming = {f"stream{i}": threading.Event() for i in range(2)}
 
     def stream(name):
         with httpx.stream("POST", s.url("/v1/chat/completions"), json={**body, "stream": True}, timeout=60) as r:
@@ -179,7 +179,7 @@ def test_a_second_sigint_ends_running_requests_at_once_with_json_errors_and_done
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
-                    streaming.set()
+                    streaming[name].set()
             results[name] = (r.status_code, lines)
 
     def blocking():
@@ -190,10 +190,19 @@ def test_a_second_sigint_ends_running_requests_at_once_with_json_errors_and_done
     try:
         for t in threads:
             t.start()
-        assert streaming.wait(60)
+        assert all(e.wait(60) for e in streaming.values())
+        deadline = time.monotonic() + 60
+        # Both streams and the blocking request in engine slots: one not yet admitted would rightly get a 503.
+        while s.metric("fastdeploy_lp:num_requests_running") < 3:
+            assert time.monotonic() < deadline, "the three requests never ran together"
+            time.sleep(0.05)
         s.proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        refused = httpx.post(s.url("/v1/chat/completions"), json=chat(), timeout=10)
+        deadline = time.monotonic() + 10
+        while True:  # the signal is handled on the server's loop: a request just before it is still served
+            time.sleep(0.5)
+            refused = httpx.post(s.url("/v1/chat/completions"), json=chat(), timeout=30)
+            if refused.status_code == 503 or time.monotonic() > deadline:
+                break
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_serving"
         s.proc.send_signal(signal.SIGINT)
         second = time.monotonic()
