@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+from throughput import FORMATS  # the same formats as the speed table
+
 from fastdeploy_lp.model import cpu_features
 
 CHILD = """
@@ -35,10 +37,6 @@ print("RESULT", json.dumps({"load_s": loaded, "tokens": len(out.outputs.token_id
                             "weight_gb": weight_bytes(llm.engine.runner.model) / 1e9,
                             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 """
-
-FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "float16": {"dtype": "float16"},
-           "wint8": {"quantization": "wint8"}}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -67,7 +67,7 @@ def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
     runs: another process on the machine only slows a run down."""
     import paddle
 
-    kernels = cpu_kernels.CpuKernels(cpu_kernels.build()) if cpu_kernels.load() is not None else None
+    kernels = cpu_kernels.load()
     data = paddle.full([gib << 28], 0.5, dtype="float32")
     host = None if kernels else data.numpy()
     times = []

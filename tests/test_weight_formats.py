@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -22,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 sys.path.insert(0, os.path.join(ROOT, "train"))
 from build_corpus import build_corpus  # noqa: E402
+from evaluate_default_model import perplexity  # noqa: E402
 
 paddle.set_device("cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -77,14 +77,10 @@ def test_quantize_rows_is_symmetric_per_row():
 
 
 def _heldout_perplexity(model, tokenizer: Tokenizer, texts: list[str]) -> float:
-    total = count = 0
-    for text in texts:
-        ids = tokenizer.encode(text)
-        with paddle.no_grad():
-            logp = paddle.nn.functional.log_softmax(model.full_logits(ids[:-1]), axis=-1).numpy()
-        total -= float(logp[np.arange(len(ids) - 1), ids[1:]].sum())
-        count += len(ids) - 1
-    return math.exp(total / count)
+    """The default model's evaluation perplexity, every token of each text scored."""
+    pairs = [(ids, [1] * len(ids)) for ids in map(tokenizer.encode, texts)]
+    with paddle.no_grad():
+        return perplexity(model, pairs)
 
 
 def test_wint8_perplexity_on_held_out_text_within_two_percent_of_float32():
