@@ -225,7 +225,7 @@ class _Stage:
         try:
             result = ForcedTokens.read(self.names[i], queues, published).without(failed)
             if result.tokens or failed:
-                enabled = {slot for slot, a, sp in rows if type(self.processors[i]).is_enabled_by(a, sp)}
+                enabled = self._enabled_slots(i, rows)
                 if not failed <= enabled:  # it blamed requests it does not serve: its own failure
                     return [error]
                 result.check(enabled - failed, self.vocab_size, queues, self.max_forced)
@@ -280,13 +280,13 @@ class _Stage:
 
     def _record_failure(self, i, error, rows, failures):
         name = self.names[i]
-        active = {slot for slot, _, _ in rows}
-        if isinstance(error, RequestFailures) and set(error.failures) <= active:  # it named the requests
+        if isinstance(error, RequestFailures) and set(error.failures) <= self._enabled_slots(i, rows):
+            # it named requests it serves: those fail, with its messages
             for slot, message in error.failures.items():
                 failures.setdefault(slot, f"logits processor {name}: {message}")
             return
-        # Anything else, a RequestFailures naming a slot with no request in it included, is the
-        # processor's own failure: the requests that enabled it fail.
+        # Anything else, a RequestFailures naming a slot that did not enable it (or holds no request)
+        # included, is the processor's own failure: the requests that enabled it fail, no others.
         timing = self.timings[name]
         timing.failures += 1
         if timing.failures == 1:  # one traceback; a processor failing every step would flood the log
@@ -297,10 +297,13 @@ class _Stage:
                          type(error).__name__, error)
         self._fail_enabled(i, rows, f"logits processor {name} failed: {type(error).__name__}: {error}", failures)
 
+    def _enabled_slots(self, i, rows) -> set[int]:
+        """The active slots whose requests enabled processor i."""
+        return {slot for slot, args, params in rows if type(self.processors[i]).is_enabled_by(args, params)}
+
     def _fail_enabled(self, i, rows, message, failures) -> None:
-        for slot, args, params in rows:
-            if type(self.processors[i]).is_enabled_by(args, params):
-                failures.setdefault(slot, message)
+        for slot in self._enabled_slots(i, rows):
+            failures.setdefault(slot, message)
 
 
 def _active_rows(share_inputs: ShareInputs) -> list[tuple[int, LogitsProcessorArgs, object]]:

@@ -19,6 +19,7 @@ class StepAttackArgs(BaseModel):
     hang_s: float | None = None         # sleeps this long in its first update_state
     interrupt_after: int | None = None  # raises KeyboardInterrupt once the request has this many tokens
     fail: bool | None = None            # named in a RequestFailures raised after every attack of the step
+    fail_others: bool | None = None     # names every *other* running slot in that RequestFailures
 
 
 class StepAttackLogitsProcessor(LogitsProcessor):
@@ -35,6 +36,9 @@ class StepAttackLogitsProcessor(LogitsProcessor):
         for slot in active:
             self._attack(share_inputs, slot, share_inputs["logits_processors_args"][slot], active)
         failing = {slot: "asked to fail" for slot in active if share_inputs["logits_processors_args"][slot].fail}
+        for slot in active:
+            if share_inputs["logits_processors_args"][slot].fail_others:
+                failing.update({other: "failed by a neighbour" for other in active if other != slot})
         if failing:
             raise RequestFailures(failing)
 

@@ -68,6 +68,14 @@ def test_a_processor_failing_some_requests_still_forces_for_the_others(llm):
     assert outs[1].finish_reason == "length" and outs[1].token_ids == [12, 12, 12]
 
 
+def test_a_processor_naming_requests_that_did_not_enable_it_fails_only_its_own(llm):
+    """A RequestFailures naming a neighbour that never enabled the processor is the processor's own
+    failure: the request that enabled it fails, the neighbour goes on untouched."""
+    outs = run(llm, PROMPTS[:2], [greedy(max_tokens=3, fail_others=True), greedy(max_tokens=3)])
+    assert outs[0].finish_reason == "error" and "StepAttackLogitsProcessor" in outs[0].error
+    assert outs[1].finish_reason == "length" and outs[1].error is None
+
+
 def explode(*args, **kwargs):
     raise RuntimeError("detokenizer exploded")
 
