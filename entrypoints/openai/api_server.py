@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from fastdeploy_lp.distributed.runner import TensorParallelError
-from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
+from fastdeploy_lp.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncLLMEngine
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.llm import build_engine
 from fastdeploy_lp.entrypoints.openai.args import (cache_config_from_args, make_parser, missing_model_hint,
@@ -61,7 +61,7 @@ class ServerSettings:
     model_aliases: set[str] = field(default_factory=set)
     max_request_body_bytes: int = 8 << 20
     shutdown_timeout_s: float = 30.0
-    engine_stall_timeout_s: float | None = 60.0  # no progress this long while requests wait: /health 503
+    engine_stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S  # no progress this long while requests wait: /health 503
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from fastdeploy_lp.config import CacheConfig, default_model_path
+from fastdeploy_lp.engine.async_engine import DEFAULT_STALL_TIMEOUT_S
 from fastdeploy_lp.entrypoints.openai.connections import (DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY,
                                                           DEFAULT_REQUEST_READ_TIMEOUT_S)
 from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
@@ -138,10 +139,12 @@ def _add_http_args(server) -> None:
     server.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
                         help="On SIGTERM/SIGINT: refuse new requests (503), let running ones finish for up to "
                              "this long, then end the rest with an error (streams: an error event and [DONE]).")
-    server.add_argument("--engine-stall-timeout", type=_non_negative_float, default=60.0, metavar="SECONDS",
+    server.add_argument("--engine-stall-timeout", type=_non_negative_float, default=DEFAULT_STALL_TIMEOUT_S,
+                        metavar="SECONDS",
                         help="If requests wait and the engine computes no token and finishes no request for this "
                              "long, /health says 503 and those requests end with an error, until it makes "
-                             "progress again. 0: no watchdog.")
+                             "progress again. 0: no watchdog. Default: %(default)s (a 7B prefill chunk on a "
+                             "small CPU takes minutes).")
     server.add_argument("--logits-processor-timeout", type=_non_negative_float, default=2.0, metavar="SECONDS",
                         help="A logits processor taking longer than this in one step fails the requests that "
                              "enabled it (the step itself is not interrupted). 0: no limit.")

@@ -78,6 +78,11 @@ class RequestStream:
         return item
 
 
+# Longer than any step that works: one 2,048-token prefill chunk of a 7B model takes minutes on a
+# 2-core CPU, and a watchdog that fires on it would fail every request of a healthy server.
+DEFAULT_STALL_TIMEOUT_S = 600.0
+
+
 class AsyncLLMEngine:
     """Runs `engine.step()` on a daemon thread; `add_request` and streams live on the event loop.
 
@@ -95,7 +100,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
                  observer: Callable[[RequestOutput, float, RequestStream | None], None] | None = None,
-                 stall_timeout_s: float | None = 60.0):
+                 stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {max_waiting_requests!r}")
         if stall_timeout_s is not None and not stall_timeout_s > 0:
