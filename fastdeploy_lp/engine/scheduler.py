@@ -126,7 +126,11 @@ class SlotScheduler:
     def _next_waiting(self) -> Request:
         """The waiting request a free slot goes to: the first, in queue order, of those whose call
         (`group_id`, shared by its `n` choices) holds the fewest slots. A call with a large `n`
-        then takes turns with the others instead of holding every slot until all its choices end."""
+        then takes turns with the others instead of holding every slot until all its choices end.
+        A preempted request, put back at the head, comes first: it already had its turn and was
+        taken off, and skipping it could preempt it again and again."""
+        if self.waiting[0].resumed:
+            return self.waiting[0]
         held = Counter(r.group_id for r in self.holding)
         best, fewest = self.waiting[0], held[self.waiting[0].group_id]
         for request in self.waiting:
