@@ -105,6 +105,24 @@ def body_doc(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def inline_body_doc(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route whose body `model` is parsed by hand and is not one of the models
+    `document_request_models` registers: the schema inline, each nested model written in place of
+    its reference (the models are not recursive)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref[len("#/$defs/"):]])
+            return {k: resolve(v) for k, v in node.items()}
+        return [resolve(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": resolve(schema)}}}}
+
+
 def document_request_models(app: FastAPI, models) -> None:
     """Put the request models (parsed by hand, for OpenAI-shaped errors) into the OpenAPI schema."""
     base = app.openapi

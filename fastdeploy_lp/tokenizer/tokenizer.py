@@ -57,6 +57,12 @@ class Tokenizer:
         i = self._sp.piece_to_id(token)
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as stored (`Ġthe`, `▁the`), not its decoded text."""
+        if self._hf is not None:
+            return self._hf.id_to_token(token_id) or ""
+        return self._sp.id_to_piece(token_id)
+
     @property
     def eos_token_id(self) -> int | None:
         return self.token_to_id(self.eos_token) if self.eos_token else None

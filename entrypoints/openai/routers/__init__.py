@@ -4,12 +4,14 @@
     health.py       GET /health, GET /metrics
     models.py       GET /v1/models, GET /v1/models/{model}, GET /v1/logits_processors
     generation.py   POST /v1/chat/completions → serving_chat.py, POST /v1/completions → serving_completion.py
+    tokenize.py     POST /tokenize, POST /detokenize → serving_tokenize.py
 """
 
 from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router
 from fastdeploy_lp.entrypoints.openai.routers.health import router as health_router
 from fastdeploy_lp.entrypoints.openai.routers.models import router as models_router
+from fastdeploy_lp.entrypoints.openai.routers.tokenize import router as tokenize_router
 
-ROUTERS = (health_router, models_router, generation_router)
+ROUTERS = (health_router, models_router, generation_router, tokenize_router)
 
 __all__ = ["ROUTERS"]
