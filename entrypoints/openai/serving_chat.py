@@ -22,6 +22,7 @@ import asyncio
 import functools
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -32,9 +33,22 @@ from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
                                                              engine_error_event, final_outputs, sse, usage,
                                                              value_errors_as_400)
+from fastdeploy_lp.processors.custom_backends import CustomBackend
 from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
 from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
+
+
+@dataclass
+class ChatRun:
+    """A chat request on its way through the engine: what shaping its answer needs."""
+
+    stream: RequestStream
+    n: int
+    backend: CustomBackend | None
+    reader: dict | None               # `ToolCallParser` kwargs; None: no calls are read from the output
+    thinking: ReasoningState | None   # where the output starts; None: no reasoning parser
+    prefix: str                       # the echoed partial answer
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -43,6 +57,22 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning = get_reasoning_parser(self.engine.engine.fd_config.reasoning_parser)
 
     async def create(self, req: ChatCompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
+        run = await self.start(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._stream(request_id, run.stream, run.n, run.prefix, run.reader, include_usage, req.logprobs,
+                                run.thinking)
+            return SSEResponse(await self.finish_with_backend(run.backend, body, raw), [run.stream], headers=headers)
+        finals = (await final_outputs([run.stream], raw))[0]
+        parse = functools.partial(parse_tool_calls, **run.reader) if run.reader else None
+        response = await self.finish_with_backend(
+            run.backend, self._response(request_id, finals, run.prefix, parse, run.thinking), raw)
+        return JSONResponse(response, headers=headers)
+
+    async def start(self, req: ChatCompletionRequest) -> ChatRun:
+        """Validate `req`, submit it to the engine, and return what shaping its answer needs (the
+        Responses endpoint shapes a translated chat request through this too)."""
         self.check_model(req.model)
         backend = self.custom_backend(req)
         tools_active = bool(req.tools) and req.tool_choice != "none"  # calls are read from the output
@@ -64,22 +94,12 @@ class OpenAIServingChat(OpenAIServing):
                                       req.whitespace_field())
         renames.update({"prompt": "messages", "max_tokens": max_field})
         stream = await self.submit(prompt_ids, params, renames=renames)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prefix = _echo_prefix(req)
         thinking = self.reasoning.prompt_state(prompt_text) if self.reasoning is not None else None
         reader = None
         if tools_active:  # how calls are read: only the tools' names, and one call when parallel is off
             reader = {"names": [t.function.name for t in req.tools],
                       "max_calls": 1 if req.parallel_tool_calls is False else None}
-        parse = functools.partial(parse_tool_calls, **reader) if reader else None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, stream, params.n, prefix, reader, include_usage, req.logprobs, thinking)
-            return SSEResponse(await self.finish_with_backend(backend, body, raw), [stream], headers=headers)
-        finals = (await final_outputs([stream], raw))[0]
-        response = await self.finish_with_backend(
-            backend, self._response(request_id, finals, prefix, parse, thinking), raw)
-        return JSONResponse(response, headers=headers)
+        return ChatRun(stream, params.n, backend, reader, thinking, _echo_prefix(req))
 
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
