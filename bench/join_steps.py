@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from fastdeploy_lp import SamplingParams
-from fastdeploy_lp.config import CacheConfig
+from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.llm import build_engine
 
 
@@ -42,8 +42,8 @@ def timed_steps(engine, n: int | None, joiner: str | None = None) -> list[tuple[
 
 
 def run_budget(args, budget: int) -> dict:
-    cache = CacheConfig(enable_chunked_prefill=budget > 0, max_num_batched_tokens=budget or None)
-    engine = build_engine(args.model, max_num_seqs=8, cache_config=cache, guided_decoding_backend="off")
+    engine = build_engine(EngineArgs(args.model, max_num_seqs=8, enable_chunked_prefill=budget > 0,
+                                     max_num_batched_tokens=budget or None, guided_decoding_backend="off"))
     rng = np.random.default_rng(0)
     long_params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for _ in range(args.streams):

@@ -31,7 +31,7 @@ import time
 import numpy as np
 import paddle
 
-from fastdeploy_lp.config import FDConfig, ModelConfig
+from fastdeploy_lp.config import EngineArgs, FDConfig, ModelConfig
 from fastdeploy_lp.engine.scheduler import new_share_inputs
 from fastdeploy_lp.processors import LogitsProcessor, LogitsProcessorArgs, LogitsProcessorPipeline
 from fastdeploy_lp.processors.builtin.bad_words import banned_next_tokens
@@ -87,7 +87,7 @@ def bench_config(vocab: int, batch: int, max_len: int, model_dir: str | None) ->
                                    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
                                    "num_key_value_heads": 1,
                                    "max_position_embeddings": max_len})
-    return FDConfig(model_config=model, max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device())
+    return EngineArgs(max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device()).create_engine_config(model)
 
 
 def request_args(rng: np.random.Generator, vocab: int) -> dict:

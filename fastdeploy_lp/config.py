@@ -1,298 +1,30 @@
-"""Configuration: what the checkpoint says (`ModelConfig`) and how the engine runs it (`FDConfig`).
+"""How the engine runs a checkpoint: `EngineArgs` (every option, its default and its help, written
+once) and what is derived from it: `FDConfig` with its `CacheConfig`.
 
-`FDConfig` is what every `LogitsProcessor` receives, as in FastDeploy: processors read
-`fd_config.model_config.vocab_size`, `.dtype`, `fd_config.device` and so on.
+`EngineArgs` is the one place an engine option and its default are written: the server's flags
+(`fastdeploy-lp serve --help`), the keyword arguments of `LLM()` and the flag table of
+`docs/server.md` are generated from its fields. `EngineArgs.create_engine_config()` checks the values
+against the checkpoint and returns the `FDConfig` every `LogitsProcessor` receives, as in FastDeploy
+(`fd_config.model_config.vocab_size`, `.dtype`, `fd_config.device`, ...).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy_lp.distributed.checks import check_tensor_parallel
+from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
+from fastdeploy_lp.options import non_negative_float, option, port_number, positive_float, positive_int
+from fastdeploy_lp.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "half": "float16"}
-
-
-def default_model_path() -> str:
-    """The model trained by this project and shipped inside the package."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
-
-
-def normalize_dtype(dtype: str) -> str:
-    key = str(dtype).replace("paddle.", "").replace("torch.", "").lower()
-    if key not in _DTYPES:
-        raise ValueError(f"dtype: unsupported value {dtype!r}; use one of float32, bfloat16, float16")
-    return _DTYPES[key]
-
-
-QUANTIZATIONS = ("wint8",)
-
-
-def normalize_quantization(quantization: str | None) -> str | None:
-    """None (weights as `dtype` says) or `wint8` (int8 weight-only, FastDeploy's name)."""
-    key = None if quantization is None else str(quantization).strip().lower()
-    if key in (None, "", "none"):
-        return None
-    if key not in QUANTIZATIONS:
-        hint = " (int4 is not implemented: the int8 kernel's structure does not carry over)" if key == "wint4" else ""
-        raise ValueError(f"quantization: unsupported value {quantization!r}{hint}; use wint8 or none")
-    return key
-
-
-class UnsupportedCheckpointError(ValueError):
-    """A checkpoint asks for something the decoder does not implement: a config switch or value, a
-    tensor it would not use, a missing tensor or one of the wrong shape. The message names it."""
-
-
-# transformers' ACT2FN names that `fastdeploy_lp.model.activations` implements (`prelu` and `xielu`
-# carry learned weights no supported architecture stores, so they are not among them).
-HIDDEN_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_fast", "gelu_accurate",
-                      "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_10", "quick_gelu", "relu", "relu2", "relu6",
-                      "leaky_relu", "sigmoid", "tanh", "mish", "laplace", "linear")
-
-# RoPE types and the keys each one reads (transformers' ROPE_INIT_FUNCTIONS has more: dynamic,
-# yarn, longrope, ... which are refused).
-ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
-# Defaults of the transformers config classes, used when config.json leaves a key out.
-_ARCH_DEFAULTS = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None,
-                           "sliding_window": 4096},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
-}
-_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass
-class ModelConfig:
-    """The fields of a Hugging Face `config.json` that the Llama-family decoder needs.
-
-    `from_dict` reads each architecture the way its transformers class does (which switches exist,
-    their defaults) and refuses, with `UnsupportedCheckpointError` naming it, any switch or value
-    the decoder does not implement.
-    """
-
-    model: str
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections have a bias (Llama/Qwen3 `attention_bias`; always on Qwen2)
-    qk_norm: bool
-    checkpoint_dtype: str
-    eos_token_ids: list[int]
-    sliding_window: int | None = None  # set when some layer attends through a window of this size
-    o_proj_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; never on Qwen2/Mistral)
-    mlp_bias: bool = False  # gate/up/down projections have a bias (Llama `mlp_bias`)
-    hidden_act: str = "silu"  # the gate activation, one of HIDDEN_ACTIVATIONS
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"  # the dtype the engine computes in (set by FDConfig)
-    # How linear weights and the embedding are held (set by FDConfig): on CPU a bfloat16/float16
-    # checkpoint stays 2 bytes a weight while the engine computes in float32.
-    weight_dtype: str = "float32"
-    quantization: str | None = None  # "wint8": linear weights int8 with a float32 scale per output row
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"model: {model_dir!r} is not a directory")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model: no config.json in {model_dir!r}")
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-        return cls.from_dict(cfg, model_dir)
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], model_dir: str = "") -> "ModelConfig":
-        arch = _read_architecture(cfg, model_dir)
-        where = f"{arch} config in {model_dir or 'config'}"
-
-        def refuse(switch: str, why: str):
-            raise UnsupportedCheckpointError(f"model: unsupported config switch {switch} in the {where}: {why}")
-
-        defaults = _ARCH_DEFAULTS[arch]
-        if cfg.get("quantization_config"):
-            method = (cfg["quantization_config"] or {}).get("quant_method", "?")
-            refuse(f"quantization_config (quant_method {method!r})", "only float32/bfloat16/float16 weights load")
-
-        theta, scaling = _read_rope(cfg, refuse)
-
-        hidden_act = cfg.get("hidden_act", "silu")
-        if hidden_act not in HIDDEN_ACTIVATIONS:
-            refuse(f"hidden_act={hidden_act!r}", f"the activations implemented are {', '.join(HIDDEN_ACTIVATIONS)}")
-
-        qkv_bias, o_bias, mlp_bias = _read_biases(cfg, arch, refuse)
-
-        hidden = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-        heads, kv_heads, head_dim = _read_heads(cfg, defaults, hidden, refuse)
-        gen = _read_generation_config(model_dir)
-
-        return cls(
-            model=model_dir,
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or defaults["max_position_embeddings"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            mlp_bias=mlp_bias,
-            hidden_act=hidden_act,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            checkpoint_dtype=normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-            eos_token_ids=_read_eos_ids(cfg, gen),
-            sliding_window=_read_sliding_window(cfg, arch, layers, refuse),
-            generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
-                                                     "repetition_penalty") if k in gen},
-        )
-
-
-def _read_architecture(cfg: dict[str, Any], model_dir: str) -> str:
-    """The first of the config's `architectures` that the decoder implements."""
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"model: unsupported architecture {archs or cfg.get('model_type')!r} in "
-            f"{model_dir or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return arch
-
-
-def _read_heads(cfg: dict[str, Any], defaults: dict[str, Any], hidden: int, refuse) -> tuple[int, int, int]:
-    """(attention heads, key/value heads, head dimension), with the architecture's defaults."""
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads)
-    if heads % kv_heads:
-        refuse(f"num_key_value_heads={kv_heads}", f"it must divide num_attention_heads={heads}")
-    head_dim = int(cfg.get("head_dim", defaults["head_dim"]) or hidden // heads)
-    return heads, kv_heads, head_dim
-
-
-def _read_eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> list[int]:
-    """Every end-of-sequence id: config.json's `eos_token_id` (one or a list), then
-    generation_config.json's that are not among them."""
-    eos = cfg.get("eos_token_id")
-    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    gen_eos = generation_config.get("eos_token_id")
-    for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
-        if e is not None and int(e) not in eos_ids:
-            eos_ids.append(int(e))
-    return eos_ids
-
-
-def _read_rope(cfg: dict[str, Any], refuse) -> tuple[float, dict[str, Any] | None]:
-    """RoPE base and scaling from either config style: `rope_theta` + `rope_scaling`
-    (transformers < 5) or one `rope_parameters` dict (transformers >= 5)."""
-    rope = cfg.get("rope_parameters") or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        refuse(f"rope_parameters={rope!r}", "one RoPE for every layer is implemented, not per-layer-type RoPE")
-    rope = dict(rope)
-    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = dict(cfg.get("rope_scaling") or rope)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        refuse(f"rope scaling type {kind!r}", f"the RoPE types implemented are {', '.join(ROPE_TYPES)}")
-    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        refuse(f"partial_rotary_factor={partial!r}", "RoPE rotates the whole head dimension here")
-    missing = [k for k in ROPE_TYPES[kind] if scaling.get(k) is None]
-    if missing:
-        refuse(f"rope scaling type {kind!r}", f"it needs {', '.join(missing)}, which the config does not give")
-    if kind == "default":
-        return theta, None
-    scaling["rope_type"] = kind
-    return theta, scaling
-
-
-def _read_biases(cfg: dict[str, Any], arch: str, refuse) -> tuple[bool, bool, bool]:
-    """Which projections carry a bias (q/k/v, o, MLP), as each transformers class builds them."""
-    attention_bias, mlp_bias = cfg.get("attention_bias"), cfg.get("mlp_bias")
-    if arch == "Qwen2ForCausalLM":  # q/k/v always biased, o never; no config switch
-        if attention_bias is not None and not attention_bias:
-            refuse("attention_bias=false", "Qwen2ForCausalLM always has q/k/v biases")
-        qkv_bias, o_bias = True, False
-    elif arch == "MistralForCausalLM":  # no biases at all
-        if attention_bias:
-            refuse("attention_bias=true", "MistralForCausalLM has no attention biases (LlamaForCausalLM has)")
-        qkv_bias = o_bias = False
-    else:  # Llama, Qwen3: q/k/v and o together
-        qkv_bias = o_bias = bool(attention_bias)
-    if mlp_bias and arch != "LlamaForCausalLM":
-        refuse("mlp_bias=true", f"{arch} has no MLP biases (LlamaForCausalLM has)")
-    return qkv_bias, o_bias, bool(mlp_bias)
-
-
-def _read_sliding_window(cfg: dict[str, Any], arch: str, layers: int, refuse) -> int | None:
-    """The attention window if any layer uses one, as transformers decides it per architecture:
-    Mistral windows every layer (`sliding_window`, default 4096); Qwen2/Qwen3 only with
-    `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`) marks; Llama never."""
-    if arch == "LlamaForCausalLM":
-        return None
-    if arch == "MistralForCausalLM":
-        window = cfg.get("sliding_window", _ARCH_DEFAULTS[arch]["sliding_window"])
-    else:
-        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
-        types = cfg.get("layer_types")
-        if types is not None:
-            unknown = sorted({t for t in types if t not in _LAYER_TYPES}, key=str)
-            if unknown or len(types) != layers:
-                refuse(f"layer_types={types!r}",
-                       f"expected {layers} entries, each one of {', '.join(_LAYER_TYPES)}")
-        else:
-            first = int(cfg.get("max_window_layers", 28))
-            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                     for i in range(layers)]
-        if "sliding_attention" not in types:
-            window = None
-    if window is None:
-        return None
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        refuse(f"sliding_window={window!r}", "it must be a positive integer or null")
-    return window
-
-
-def _read_generation_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
-    if path and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    return {}
+# Tokens one step computes with chunked prefill when --max-num-batched-tokens is not given.
+CHUNKED_PREFILL_TOKEN_BUDGET = 2048
+MAX_MODEL_LEN_CAP = 4096  # --max-model-len's default: the model's context, at most this
 
 
 def default_device() -> str:
@@ -301,22 +33,23 @@ def default_device() -> str:
     return "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache and the per-step token budget (docs/kv_cache.md).
+    """The paged KV cache and the per-step token budget (docs/kv_cache.md); `EngineArgs` documents
+    each field.
 
     The pool holds `num_blocks` blocks of `block_size` positions. Unless `num_blocks` is given, it is
     sized by memory: `kv_cache_memory` GiB on CPU, `gpu_memory_utilization` of the GPU's memory less
     what the model already uses on GPU, and never more than `max_num_seqs` full-length sequences need.
     """
 
-    block_size: int = 16
-    kv_cache_memory: float = 4.0  # GiB, CPU
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = None  # tokens per step; None: 2048 with chunking, else unbounded
-    num_blocks: int | None = None  # overrides the memory sizing (tests, benchmarks)
+    block_size: int
+    kv_cache_memory: float  # GiB, CPU
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int | None  # tokens per step; None: CHUNKED_PREFILL_TOKEN_BUDGET with chunking
+    num_blocks: int | None  # overrides the memory sizing (tests, benchmarks)
 
     def __post_init__(self):
         checks = {"block_size": isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
@@ -338,77 +71,187 @@ class CacheConfig:
         """Tokens one step may compute; None: no limit (whole prompts in one pass)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 2048 if self.enable_chunked_prefill else None
+        return CHUNKED_PREFILL_TOKEN_BUDGET if self.enable_chunked_prefill else None
 
 
 @dataclass
 class FDConfig:
-    """Everything the engine and the logits processors need to know about one deployment."""
+    """Everything the engine and the logits processors need to know about one deployment, derived
+    from `EngineArgs` (which documents each field) and checked against the checkpoint. A change is
+    a new config (`dataclasses.replace`); only the runtime fields at the end are set afterwards."""
 
     model_config: ModelConfig
-    max_num_seqs: int = 8
-    max_model_len: int = 2048
-    device: str = "cpu"
-    logits_processors: list[str] = field(default_factory=list)
-    guided_decoding_backend: str = "llguidance"
-    fast_forward: bool = True  # append tokens processors declare certain in one pass (share_inputs docs)
-    cpu_threads: int | None = None  # threads for CPU math; None: every core this process may use
-    # A processor whose update_state + apply take longer than this in one step fails the requests
-    # that enabled it (the step itself runs to the end: Python cannot preempt it). None: no limit.
-    logits_processor_timeout_s: float | None = 2.0
-    # Whitespace between JSON tokens in constrained output when a request sets none: None is
-    # `json.dumps`' layout (`{"a": 1}`), "" none at all, anything else a regex (docs/guided_decoding.md).
-    guided_whitespace_pattern: str | None = None
-    # "qwen3" / "deepseek_r1": <think> reasoning is returned apart and constraints start after it.
-    reasoning_parser: str | None = None
-    tool_functions: dict[str, Any] = field(default_factory=dict)  # for ToolExecutionLogitsProcessor
-    custom_guided_decoding_backends: dict[str, Any] = field(default_factory=dict)  # name -> CustomBackend
+    cache_config: CacheConfig
+    max_num_seqs: int
+    max_model_len: int
+    device: str
+    logits_processors: list[str]
+    guided_decoding_backend: str
+    fast_forward: bool
+    cpu_threads: int | None
+    logits_processor_timeout_s: float | None  # None: no limit
+    guided_whitespace_pattern: str | None
+    reasoning_parser: str | None
+    tensor_parallel_size: int
+    # Runtime objects, set by the engine builder; not options (they are no part of `EngineArgs`).
+    tool_functions: dict[str, Any] = dataclasses.field(default_factory=dict)  # for ToolExecutionLogitsProcessor
+    custom_guided_decoding_backends: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> CustomBackend
     tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
-    cache_config: CacheConfig = field(default_factory=CacheConfig)
-    # Ranks the model is split over (docs/distributed.md); each holds 1/N of the heads, MLP columns
-    # and vocabulary, and of the KV cache. 1: this process runs the model itself.
-    tensor_parallel_size: int = 1
 
     @classmethod
-    def create(cls, model: str | None = None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
-               device: str | None = None, dtype: str | None = None,
-               logits_processors: list[str] | None = None,
-               guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-               logits_processor_timeout_s: float | None = 2.0, tensor_parallel_size: int = 1,
-               quantization: str | None = None) -> "FDConfig":
-        model_config = ModelConfig.from_pretrained(model or default_model_path())
-        device = device or default_device()
-        check_tensor_parallel(model_config, device, tensor_parallel_size)  # before any weight loads
-        if dtype in (None, "auto"):
-            dtype = model_config.checkpoint_dtype
-        dtype = model_config.weight_dtype = normalize_dtype(dtype)
-        model_config.quantization = normalize_quantization(quantization)
-        if model_config.quantization and not device.startswith("cpu"):
-            raise ValueError(f"quantization: {model_config.quantization} runs on CPU only so far (its kernels "
-                             f"are the CPU ones); on {device} use dtype bfloat16 or float16")
-        if device.startswith("cpu") and dtype != "float32":
-            # Paddle's CPU matmul has no bfloat16/float16 kernels: compute in float32, keep the
-            # weights as they are (the CPU linear kernels widen them in registers).
-            logger.info("dtype %s: weights held as %s, computing in float32 on CPU", dtype, dtype)
-            dtype = "float32"
-        model_config.dtype = dtype
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be a positive integer, got {max_num_seqs!r}")
-        limit = model_config.max_position_embeddings
-        max_model_len = max_model_len or min(limit, 4096)
-        window = model_config.sliding_window
-        if window is not None and max_model_len > window:
-            # Every layer attends to the whole context here; capping the length keeps that exact.
-            logger.warning("the checkpoint uses sliding-window attention (%d); max_model_len %d is capped to it",
-                           window, max_model_len)
-            max_model_len = window
-        if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len: must be an integer in 2..{limit} (the model's "
-                             f"max_position_embeddings), got {max_model_len!r}")
-        if logits_processor_timeout_s is not None and not logits_processor_timeout_s > 0:
-            raise ValueError(f"logits_processor_timeout_s: must be > 0 (or None for no limit), "
-                             f"got {logits_processor_timeout_s!r}")
-        return cls(model_config=model_config, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   device=device, logits_processors=list(logits_processors or []),
-                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                   logits_processor_timeout_s=logits_processor_timeout_s, tensor_parallel_size=tensor_parallel_size)
+    def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
+        """`EngineArgs(model, **kwargs).create_engine_config()`: the config of those options."""
+        return EngineArgs(model, **kwargs).create_engine_config()
+
+
+MODEL, DECODING, CACHE = "model and engine", "decoding: processors, guided decoding, reasoning, tools", \
+    "KV cache and scheduling"
+COMPAT = "FastDeploy compatibility (accepted, unused: ranks talk over pipes and Paddle's process group)"
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, its default and its help, written once. `LLM(**kwargs)` takes these
+    fields, `fastdeploy-lp serve` has a flag for each (`--max-num-seqs` for `max_num_seqs`), and
+    `create_engine_config()` turns them into the `FDConfig` of a checkpoint.
+
+        >>> args = EngineArgs(max_num_seqs=4, device="cpu")
+        >>> args.create_engine_config().max_num_seqs
+        4
+    """
+
+    model: str | None = option(
+        None, "Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer). Default: the model "
+              "that ships with the package.", group=MODEL, metavar="DIR")
+    max_num_seqs: int = option(8, "Engine slots: sequences decoded together in one batch.", group=MODEL,
+                               parse=positive_int, metavar="N")
+    max_model_len: int | None = option(
+        None, f"Most tokens (prompt + output) per sequence. Default: the model's max_position_embeddings, at most "
+              f"{MAX_MODEL_LEN_CAP}.", group=MODEL, parse=positive_int, metavar="N")
+    device: str | None = option(None, "Paddle device, e.g. 'cpu', 'gpu', 'gpu:1'. Default: gpu when available, "
+                                      "else cpu.", group=MODEL)
+    dtype: str = option("auto", "Weight dtype: auto (the checkpoint's), float32, bfloat16 or float16. GPUs compute "
+                                "in it; CPUs keep the weights in it (2 bytes each for 16-bit) and compute in "
+                                "float32.", group=MODEL)
+    quantization: str | None = option(
+        None, "wint8: linear weights int8 per output channel, quantized at load (CPU); the embedding and LM head "
+              "stay in dtype. none: as dtype says.", group=MODEL, choices=("wint8", "none"))
+    tensor_parallel_size: int = option(
+        1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
+           "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
+        aliases=("-tp",), metavar="N")
+    cpu_threads: int | None = option(None, "Threads for CPU math. Default: every core this process may use (split "
+                                           "between tensor-parallel ranks).", group=MODEL, parse=positive_int,
+                                     metavar="N")
+    logits_processors: list[str] = option(
+        default_factory=list, help="Logits processors, applied in this order: a built-in name (e.g. "
+        "LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable them through "
+        "'logits_processors_args'.", group=DECODING, nargs="*", metavar="NAME")
+    logits_processor_timeout_s: float | None = option(
+        2.0, "Seconds one logits processor may take in one step; beyond it the requests that enabled it fail (the "
+             "step itself is not interrupted). 0 or None: no limit.", group=DECODING,
+        flag="--logits-processor-timeout", parse=non_negative_float, metavar="SECONDS")
+    fast_forward: bool = option(True, "Append the tokens processors declare certain (a grammar's only "
+                                      "continuation) in one pass instead of one step each.", group=DECODING)
+    guided_decoding_backend: str = option(
+        "llguidance", "Default backend for response_format / guided_* / tools: llguidance, 'off' (constrained "
+                      "requests then get a 400), or the name of a custom backend. Requests may pick another with "
+                      "nvext.guided_decoding_backend or guided_decoding_backend.", group=DECODING, metavar="NAME")
+    guided_whitespace_pattern: str | None = option(
+        None, "Whitespace allowed between JSON tokens in constrained output when a request sets none: a regex, or "
+              "'' for none. Default: json.dumps' layout ({\"a\": 1, \"b\": 2}), which cannot run on as newlines.",
+        group=DECODING, metavar="REGEX")
+    reasoning_parser: str | None = option(
+        None, "For reasoning models (qwen3, deepseek_r1): return the <think> part as reasoning_content, apart from "
+              "content, and apply output constraints (JSON, tools) from the end of the reasoning.",
+        group=DECODING, choices=tuple(sorted(REASONING_PARSERS)), metavar="NAME")
+    custom_guided_decoding_backends: str | dict | None = option(
+        None, "Directory of custom guided-decoding backends, one DIR/NAME/backend.py each (NVIDIA NIM's layout; "
+              "wheels beside it are installed offline into a private directory), or (offline) a dict of loaded "
+              "backends. Needs trust_custom_code.", group=DECODING, metavar="DIR")
+    trust_custom_code: bool = option(False, "Allow loading code from custom_guided_decoding_backends (also "
+                                            "FDLP_TRUST_CUSTOM_CODE=1).", group=DECODING)
+    tool_functions: str | dict | None = option(
+        None, "A dict of name -> callable that ToolExecutionLogitsProcessor may run when the model writes "
+              "<function>name(args)</function>, as 'pkg.module:REGISTRY' (or, offline, the dict). Requests never "
+              "name code.", group=DECODING, metavar="pkg.module:REGISTRY")
+    block_size: int = option(16, "Tokens per KV cache block.", group=CACHE, parse=positive_int, metavar="N")
+    kv_cache_memory: float = option(4.0, "KV cache size on CPU, in GiB (never more than max_num_seqs full-length "
+                                         "sequences need).", group=CACHE, parse=positive_float, metavar="GIB")
+    gpu_memory_utilization: float = option(0.9, "On GPU: the fraction of the device's memory for the model and its "
+                                                "KV cache.", group=CACHE, parse=positive_float, metavar="FRACTION")
+    num_blocks: int | None = option(None, "KV cache blocks, overriding the memory sizing.", group=CACHE,
+                                    parse=positive_int, metavar="N")
+    enable_prefix_caching: bool = option(True, "Reuse the KV cache of full blocks shared with earlier requests.",
+                                         group=CACHE)
+    enable_chunked_prefill: bool = option(True, "Split long prompts across steps so running requests keep "
+                                                "decoding.", group=CACHE)
+    max_num_batched_tokens: int | None = option(
+        None, f"Tokens one step may compute. Default: {CHUNKED_PREFILL_TOKEN_BUDGET} with chunked prefill, else no "
+              f"limit.", group=CACHE, parse=positive_int, metavar="N")
+    engine_worker_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
+                                                  group=COMPAT, parse=port_number, metavar="PORT")
+    cache_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
+                                          group=COMPAT, parse=port_number, metavar="PORT")
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint directory: `model`, else the model that ships with the package."""
+        return self.model or default_model_path()
+
+    def create_cache_config(self) -> CacheConfig:
+        return CacheConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CacheConfig)})
+
+    def create_engine_config(self, model_config: ModelConfig | None = None) -> FDConfig:
+        """The `FDConfig` of these options and the checkpoint (or of `model_config`, a config built
+        without one: benchmarks); a `ValueError` names a bad value (an `OSError` a missing model).
+        Tensor parallelism is checked before any weight loads."""
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be a positive integer, got {self.max_num_seqs!r}")
+        timeout = self.logits_processor_timeout_s
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"logits_processor_timeout_s: must be >= 0 (0 or None: no limit), got {timeout!r}")
+        cache_config = self.create_cache_config()
+        device = self.device or default_device()
+        model_config = model_config or ModelConfig.from_pretrained(self.model_path)
+        check_tensor_parallel(model_config, device, self.tensor_parallel_size)  # before any weight loads
+        model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
+        return FDConfig(model_config=model_config, cache_config=cache_config, max_num_seqs=self.max_num_seqs,
+                        max_model_len=_max_model_len(model_config, self.max_model_len), device=device,
+                        logits_processors=list(self.logits_processors or []),
+                        guided_decoding_backend=self.guided_decoding_backend, fast_forward=self.fast_forward,
+                        cpu_threads=self.cpu_threads, logits_processor_timeout_s=timeout or None,
+                        guided_whitespace_pattern=self.guided_whitespace_pattern,
+                        reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size)
+
+
+def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:
+    """The checkpoint's config with how its weights are held and the dtype the engine computes in."""
+    weight_dtype = normalize_dtype(model_config.checkpoint_dtype if dtype in (None, "auto") else dtype)
+    quantization = normalize_quantization(quantization)
+    if quantization and not device.startswith("cpu"):
+        raise ValueError(f"quantization: {quantization} runs on CPU only so far (its kernels are the CPU ones); "
+                         f"on {device} use dtype bfloat16 or float16")
+    compute = weight_dtype
+    if device.startswith("cpu") and weight_dtype != "float32":
+        # Paddle's CPU matmul has no bfloat16/float16 kernels: compute in float32, keep the
+        # weights as they are (the CPU linear kernels widen them in registers).
+        logger.info("dtype %s: weights held as %s, computing in float32 on CPU", weight_dtype, weight_dtype)
+        compute = "float32"
+    return dataclasses.replace(model_config, dtype=compute, weight_dtype=weight_dtype, quantization=quantization)
+
+
+def _max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
+    """The context length: `wanted`, else the model's at most MAX_MODEL_LEN_CAP; within a sliding window."""
+    limit = model_config.max_position_embeddings
+    max_model_len = wanted or min(limit, MAX_MODEL_LEN_CAP)
+    window = model_config.sliding_window
+    if window is not None and max_model_len > window:
+        # Every layer attends to the whole context here; capping the length keeps that exact.
+        logger.warning("the checkpoint uses sliding-window attention (%d); max_model_len %d is capped to it",
+                       window, max_model_len)
+        max_model_len = window
+    if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+        raise ValueError(f"max_model_len: must be an integer in 2..{limit} (the model's "
+                         f"max_position_embeddings), got {max_model_len!r}")
+    return max_model_len

@@ -43,7 +43,7 @@ from fastdeploy_lp.processors.base import LogitsProcessor, RequestFailures, acti
 
 logger = logging.getLogger(__name__)
 
-TRUST_ENV = "FASTDEPLOY_LP_TRUST_CUSTOM_CODE"
+TRUST_ENV = "FDLP_TRUST_CUSTOM_CODE"  # declared in fastdeploy_lp.envs
 
 
 @dataclass

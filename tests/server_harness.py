@@ -69,7 +69,8 @@ def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env
         cmd += ["--metrics-port", str(mport)]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, full_env.get("PYTHONPATH")) if p)
-    full_env.pop("FASTDEPLOY_LP_API_KEY", None)
+    full_env.pop("FDLP_API_KEY", None)
+    full_env.pop("FASTDEPLOY_LP_API_KEY", None)  # its deprecated name, still read
     full_env.update(env or {})
     log = tempfile.NamedTemporaryFile("w", prefix="fdlp-server-", suffix=".log", delete=False)
     limit = None if open_files is None else functools.partial(

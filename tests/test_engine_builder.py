@@ -13,6 +13,7 @@ import pytest
 from server_harness import QWEN2, TESTS_DIR, free_port, start_server
 
 from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.llm import build_engine
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
@@ -25,7 +26,7 @@ def llm():
 
 
 def test_llm_is_built_by_the_shared_builder_with_its_arguments(llm):
-    engine = build_engine(QWEN2, max_num_seqs=2, device="cpu", logits_processors=["LogitBiasLogitsProcessor"])
+    engine = build_engine(EngineArgs(QWEN2, max_num_seqs=2, device="cpu", logits_processors=["LogitBiasLogitsProcessor"]))
     assert engine.pipeline.names == llm.engine.pipeline.names
     assert llm.fd_config is llm.engine.fd_config and llm.fd_config.max_num_seqs == 2
 

@@ -16,14 +16,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 # -- the pool ----------------------------------------------------------------------------------------
 def test_pool_allocates_low_blocks_first_and_never_the_null_block():
-    pool = BlockPool(5, block_size=4)
+    pool = BlockPool(5, block_size=4, enable_prefix_caching=True)
     assert pool.allocate(4) == [1, 2, 3, 4]
     assert pool.allocate(1) is None
     assert pool.num_free == 0 and NULL_BLOCK not in pool.fresh
 
 
 def test_released_cached_blocks_stay_findable_until_evicted_least_recently_used_first():
-    pool = BlockPool(4, block_size=2)
+    pool = BlockPool(4, block_size=2, enable_prefix_caching=True)
     a, b = block_hashes([1, 2, 3, 4], 2)
     first = pool.allocate(2)
     pool.register(first[0], a)

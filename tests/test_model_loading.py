@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from test_model_reference import _copy_fixture as _copy
 
 from fastdeploy_lp import LLM, FDConfig, ModelConfig
-from fastdeploy_lp.config import HIDDEN_ACTIVATIONS
+from fastdeploy_lp.model_config import HIDDEN_ACTIVATIONS
 from fastdeploy_lp.model import UnsupportedCheckpointError, expected_tensors, load_model, save_pretrained
 from fastdeploy_lp.model.activations import ACTIVATIONS
 

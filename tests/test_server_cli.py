@@ -29,7 +29,7 @@ def test_help_documents_every_flag(entry):
     assert out.returncode == 0, out.stderr
     for flag in FLAGS:
         assert flag in out.stdout, flag
-    assert "FASTDEPLOY_LP_API_KEY" in out.stdout
+    assert "FDLP_API_KEY" in out.stdout
 
 
 def test_unknown_processor_exits_nonzero_listing_the_builtins():

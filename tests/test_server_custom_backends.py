@@ -53,7 +53,7 @@ BAD_BACKENDS = {
         "            yield {'not': 'text'}\n"
         "    return chunks()\n"),
 }
-COMPILE_LIMIT_S = 2  # FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S: built-in guided decoding's compile limit
+COMPILE_LIMIT_S = 2  # FDLP_GUIDED_COMPILE_TIMEOUT_S: built-in guided decoding's compile limit
 STEP_LIMIT_S = 1  # --logits-processor-timeout
 STRICT_SCHEMA = {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
@@ -74,7 +74,7 @@ def backends_dir(tmp_path_factory):
 def server(backends_dir):
     srv = start_server("--trust-custom-code", "--custom-guided-decoding-backends", backends_dir,
                        "--max-num-seqs", "4", "--logits-processor-timeout", str(STEP_LIMIT_S),
-                       env={"FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S": str(COMPILE_LIMIT_S)})
+                       env={"FDLP_GUIDED_COMPILE_TIMEOUT_S": str(COMPILE_LIMIT_S)})
     yield srv
     srv.stop()
 
@@ -125,7 +125,7 @@ def test_unknown_backend_is_a_400_and_a_failing_backend_fails_only_its_request(s
 def test_refuses_to_start_without_trust(backends_dir):
     cmd = [sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", QWEN2,
            "--custom-guided-decoding-backends", backends_dir]
-    env = {k: v for k, v in os.environ.items() if k != "FASTDEPLOY_LP_TRUST_CUSTOM_CODE"}
+    env = {k: v for k, v in os.environ.items() if k != "FDLP_TRUST_CUSTOM_CODE"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
     assert "--trust-custom-code" in done.stderr

@@ -23,7 +23,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def server():
     s = start_server("--max-num-seqs", "2", "--max-waiting-requests", "0", "--strict-fields",
                      "--logits-processors", "LogitBiasLogitsProcessor", "server_processors:SlowLogitsProcessor",
-                     env={"FASTDEPLOY_LP_API_KEY": KEY})
+                     env={"FDLP_API_KEY": KEY})
     yield s
     s.stop()
 
@@ -199,10 +199,11 @@ def test_not_serving_is_503_on_health_and_generation():
     """An in-process server whose engine thread stops: /health and generation answer 503."""
     from fastdeploy_lp.config import FDConfig
     from fastdeploy_lp.engine.engine import LLMEngine
-    from fastdeploy_lp.entrypoints.openai.api_server import ServerSettings, build_app
+    from fastdeploy_lp.entrypoints.openai.api_server import build_app, settings_from_args
+    from fastdeploy_lp.entrypoints.openai.args import ServerArgs
 
     engine = LLMEngine(FDConfig.create(QWEN2, max_num_seqs=2, guided_decoding_backend="off"))
-    app = build_app(engine, ServerSettings(served_model_names=["q"], model_path=QWEN2))
+    app = build_app(engine, settings_from_args(ServerArgs(served_model_name=["q"]), QWEN2))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -23,7 +23,7 @@ LIMIT = 200_000
 def server():
     s = start_server("--max-num-seqs", "4", "--max-request-body-bytes", str(LIMIT),
                      "--logits-processors", "LogitBiasLogitsProcessor", "custom_processors:HostileLogitsProcessor",
-                     env={"FASTDEPLOY_LP_API_KEY": KEY})
+                     env={"FDLP_API_KEY": KEY})
     yield s
     s.stop()
 

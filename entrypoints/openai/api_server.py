@@ -8,7 +8,8 @@ exits non-zero with the reason. The engine then steps on its own thread (`AsyncL
 handlers (`routers/`: health, models, generation) only parse, submit, and shape the answer.
 
 Here: `build_app` (the app factory: `app.state`, middleware, routers, error handlers),
-`engine_from_args` (the flags → `build_engine`), `GracefulServer` (drain on SIGTERM) and `run_server`.
+`settings_from_args` (the `ServerArgs` flags → `ServerSettings`), `GracefulServer` (drain on
+SIGTERM) and `run_server` (the `EngineArgs` flags → `build_engine`, the builder `LLM()` uses too).
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
 
 from fastdeploy_lp.distributed.runner import TensorParallelError
-from fastdeploy_lp.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncLLMEngine
+from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.llm import build_engine
-from fastdeploy_lp.entrypoints.openai.args import (cache_config_from_args, make_parser, missing_model_hint,
-                                                   request_limits_from_args, resolve_api_key, trust_custom_code)
+from fastdeploy_lp.entrypoints.openai.args import ServerArgs, make_parser, missing_model_hint
 from fastdeploy_lp.entrypoints.openai.connections import (ConnectionLimits, bounded_protocol, fit_to_open_file_limit,
                                                           throttle_accept_errors)
 from fastdeploy_lp.entrypoints.openai.exception_handlers import EXCEPTION_HANDLERS
@@ -44,25 +45,26 @@ from fastdeploy_lp.entrypoints.openai.request_body import document_request_model
 from fastdeploy_lp.entrypoints.openai.routers import ROUTERS
 from fastdeploy_lp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_lp.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastdeploy_lp.processors.custom_backends import load_custom_backends
+from fastdeploy_lp.options import from_namespace
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServerSettings:
-    """What the HTTP side needs from the flags (the engine's options go to `build_engine`)."""
+    """What the HTTP side needs, derived from `ServerArgs` (which documents each field and holds the
+    defaults) by `settings_from_args`; the engine's options go to `build_engine`."""
 
     served_model_names: list[str]
     model_path: str
-    api_key: str | None = None
-    strict_fields: bool = False
-    max_waiting_requests: int | None = 1024
-    model_aliases: set[str] = field(default_factory=set)
-    max_request_body_bytes: int = 8 << 20
-    shutdown_timeout_s: float = 30.0
-    engine_stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S  # no progress this long while requests wait: /health 503
-    limits: RequestLimits = field(default_factory=RequestLimits)
+    api_key: str | None
+    strict_fields: bool
+    max_waiting_requests: int | None
+    model_aliases: set[str]
+    max_request_body_bytes: int
+    shutdown_timeout_s: float
+    engine_stall_timeout_s: float | None  # no progress this long while requests wait: /health 503; None: off
+    limits: RequestLimits
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -108,28 +110,14 @@ async def _lifespan(app: FastAPI):
         async_engine.shutdown()
 
 
-def engine_from_args(args: argparse.Namespace) -> LLMEngine:
-    """The engine the flags describe, built by `build_engine` (the builder `LLM()` uses too)."""
-    custom = {}
-    if args.custom_guided_decoding_backends:
-        custom = load_custom_backends(args.custom_guided_decoding_backends, trust_custom_code(args))
-    return build_engine(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        device=args.device, dtype=args.dtype, logits_processors=list(args.logits_processors),
-                        guided_decoding_backend=args.guided_decoding_backend,
-                        logits_processor_timeout_s=args.logits_processor_timeout or None,
-                        guided_whitespace_pattern=args.guided_whitespace_pattern,
-                        reasoning_parser=args.reasoning_parser, tool_functions=args.tool_functions,
-                        custom_guided_decoding_backends=custom, cache_config=cache_config_from_args(args),
-                        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
-
-
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model))]
-    return ServerSettings(served_model_names=names, model_path=args.model, api_key=resolve_api_key(args),
+def settings_from_args(args: ServerArgs, model_path: str) -> ServerSettings:
+    """The HTTP side's settings: `args` resolved (names, the API key's environment variable, limits)."""
+    names = args.served_model_name or [os.path.basename(os.path.normpath(model_path))]
+    return ServerSettings(served_model_names=names, model_path=model_path, api_key=args.resolve_api_key(),
                           strict_fields=args.strict_fields, max_waiting_requests=args.max_waiting_requests,
-                          model_aliases={args.model}, max_request_body_bytes=args.max_request_body_bytes,
+                          model_aliases={model_path}, max_request_body_bytes=args.max_request_body_bytes,
                           shutdown_timeout_s=args.shutdown_timeout,
-                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=request_limits_from_args(args))
+                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits())
 
 
 class GracefulServer(uvicorn.Server):
@@ -193,7 +181,7 @@ class GracefulServer(uvicorn.Server):
         await asyncio.sleep(0.1)  # let the handlers write those last answers
 
 
-def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, args: ServerArgs) -> uvicorn.Config:
     """uvicorn with bounded connections: the cap, the request-read and keep-alive timeouts."""
     max_connections, backlog = fit_to_open_file_limit(args.limit_concurrency)
     limits = ConnectionLimits(max_connections=max_connections, read_timeout_s=args.request_read_timeout)
@@ -202,18 +190,19 @@ def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
                           timeout_graceful_shutdown=5)
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(namespace: argparse.Namespace) -> int:
     """Build the engine, then serve until interrupted. Returns the process exit status."""
+    engine_args, args = from_namespace(EngineArgs, namespace), from_namespace(ServerArgs, namespace)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port is not None and args.metrics_port == args.port:
         print("fastdeploy-lp: cannot start: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     try:
-        settings = settings_from_args(args)
-        engine = engine_from_args(args)
+        settings = settings_from_args(args, engine_args.model_path)
+        engine = build_engine(engine_args)
     except (ValueError, OSError, ImportError, TensorParallelError) as e:  # bad processor name, missing model,
         # bad flag value, a tensor-parallel worker that died while starting
-        print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(args.model)}", file=sys.stderr)
+        print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(engine_args.model)}", file=sys.stderr)
         return 2
     app = build_app(engine, settings)
     metrics_server = None

@@ -37,9 +37,6 @@ from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LIMIT_CONCURRENCY = 1024
-DEFAULT_REQUEST_READ_TIMEOUT_S = 10.0
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 BODY_BYTES_PER_EXTRA_SECOND = 64 << 10
 _READING = (h11.IDLE, h11.SEND_BODY)  # the client's side of h11 while a request is still arriving
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -50,8 +47,11 @@ FD_MARGIN = 64  # descriptors the server may still open while serving (logs, com
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    max_connections: int = DEFAULT_LIMIT_CONCURRENCY
-    read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    """The connection cap and the request-read time limit (`--limit-concurrency`,
+    `--request-read-timeout`; `ServerArgs` holds their defaults)."""
+
+    max_connections: int
+    read_timeout_s: float
 
 
 def _refusal() -> bytes:

@@ -5,7 +5,7 @@ template and tokenize, 5,000 bad words each turned into a row of a per-step matc
 stop strings searched after every token, `n=128` sequences holding every slot; a few megabytes of
 token ids take seconds to validate one by one. These checks count list lengths and string sizes
 only (no validation model, no tokenizer), so an over-limit request gets its 400 in microseconds.
-The flags are in `args.py`; `docs/server.md` lists them with their defaults.
+The flags and their defaults are `ServerArgs` (`args.py`); `docs/server.md` lists them.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from fastdeploy_lp.entrypoints.openai.errors import bad_request
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_messages: int = 2048              # chat turns (--max-messages)
-    max_bad_words: int = 128              # entries per bad-words list (--max-bad-words)
-    max_bad_word_length: int = 128        # characters of a word, ids of a banned sequence (--max-bad-word-length)
-    max_n: int = 16                       # choices per prompt (--max-n)
-    max_sequences_per_request: int = 256  # prompts x n of one request (--max-sequences-per-request)
-    max_stop: int = 64                    # entries of stop and of stop_token_ids, checked every token (--max-stop)
-    max_model_len: int | None = None      # the engine's context: longer token-id prompts cannot run (--max-model-len)
+    """What one request may ask for; the flags of the same names (`ServerArgs`) document each and
+    hold the defaults."""
+
+    max_messages: int               # chat turns
+    max_bad_words: int              # entries per bad-words list
+    max_bad_word_length: int        # characters of a word, ids of a banned sequence
+    max_n: int                      # choices per prompt
+    max_sequences_per_request: int  # prompts x n of one request
+    max_stop: int                   # entries of stop and of stop_token_ids, checked every token
+    max_model_len: int | None = None  # the engine's context (set when the app is built): longer token-id prompts cannot run
 
     def check(self, body: dict) -> None:
         """400 naming the first field over a limit. Values of the wrong type are left to the

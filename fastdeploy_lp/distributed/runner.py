@@ -32,13 +32,14 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import paddle
 
+from fastdeploy_lp import envs
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.distributed.worker import WorkerSpec, run_worker
 from fastdeploy_lp.model.runner import SequenceFeed, use_device
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = float(os.environ.get("FASTDEPLOY_LP_TP_START_TIMEOUT", 900))  # spawn + load, all ranks
+START_TIMEOUT_S = envs.get_float("FDLP_TP_START_TIMEOUT")  # spawn + load, all ranks
 ERROR_GRACE_S = 10.0  # after one rank reports an error, how long the others may take to report too
 STOP_TIMEOUT_S = 5.0  # a rank asked to stop gets this long before it is killed
 
@@ -141,11 +142,7 @@ class TensorParallelRunner:
         self._callbacks = []
         self._fail_lock = threading.Lock()
         shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
-        spec = WorkerSpec(model_config=fd_config.model_config, max_num_seqs=fd_config.max_num_seqs,
-                          max_model_len=fd_config.max_model_len, device=fd_config.device,
-                          cpu_threads=fd_config.cpu_threads, cache_config=fd_config.cache_config,
-                          tensor_parallel_size=self.size, logits_buffer=shm.name,
-                          log_level=logging.getLogger().getEffectiveLevel())
+        spec = WorkerSpec.of(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
         started = time.monotonic()
         backend = _spawn_options(fd_config.device, self.size)["backend"]
         try:

@@ -14,6 +14,7 @@ The conversation with the driver (`runner.TensorParallelRunner`) over this rank'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -27,7 +28,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from fastdeploy_lp.config import CacheConfig, FDConfig, ModelConfig
+from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model.runner import ModelRunner
 
@@ -36,23 +37,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkerSpec:
-    """What a rank needs to build its runner: the parts of `FDConfig` that shape the model and
-    its cache (the engine's processors, tokenizer and tools stay in the driver)."""
+    """What a rank needs to build its runner: the engine's `FDConfig` without its runtime objects
+    (the tokenizer, tools and custom backends stay in the driver)."""
 
-    model_config: ModelConfig
-    max_num_seqs: int
-    max_model_len: int
-    device: str
-    cpu_threads: int | None
-    cache_config: CacheConfig
-    tensor_parallel_size: int
+    fd_config: FDConfig
     logits_buffer: str  # name of the driver's shared memory block for rank 0's logits
-    log_level: int = logging.WARNING
+    log_level: int
 
-    def fd_config(self, device: str) -> FDConfig:
-        return FDConfig(model_config=self.model_config, max_num_seqs=self.max_num_seqs,
-                        max_model_len=self.max_model_len, device=device, cpu_threads=self.cpu_threads,
-                        cache_config=self.cache_config, tensor_parallel_size=self.tensor_parallel_size)
+    @classmethod
+    def of(cls, fd_config: FDConfig, logits_buffer: str, log_level: int) -> "WorkerSpec":
+        config = dataclasses.replace(fd_config, tokenizer=None, tool_functions={}, custom_guided_decoding_backends={})
+        return cls(fd_config=config, logits_buffer=logits_buffer, log_level=log_level)
 
 
 def _error(e: BaseException) -> tuple:
@@ -92,20 +87,21 @@ def run_worker(spec: WorkerSpec, conns: list[Connection]) -> None:
         _serve(runner, conn, None)
         return
     shm = SharedMemory(name=spec.logits_buffer)  # mapped until the process exits; the driver unlinks it
-    _serve(runner, conn, np.ndarray((spec.max_num_seqs, spec.model_config.vocab_size), dtype=np.float32,
-                                    buffer=shm.buf))
+    rows, vocab = spec.fd_config.max_num_seqs, spec.fd_config.model_config.vocab_size
+    _serve(runner, conn, np.ndarray((rows, vocab), dtype=np.float32, buffer=shm.buf))
 
 
 def _start(spec: WorkerSpec, rank: int):
-    device = spec.device
+    size = spec.fd_config.tensor_parallel_size
+    device = spec.fd_config.device
     if device.startswith("gpu"):
         device = f"gpu:{dist.ParallelEnv().device_id}"  # this rank's GPU (spawn's FLAGS_selected_gpus)
-    fd_config = spec.fd_config(device)
+    fd_config = dataclasses.replace(spec.fd_config, device=device)
     if device.startswith("cpu") and fd_config.cpu_threads is None:  # the ranks share the cores
-        fd_config.cpu_threads = max(1, len(os.sched_getaffinity(0)) // spec.tensor_parallel_size)
+        fd_config = dataclasses.replace(fd_config, cpu_threads=max(1, len(os.sched_getaffinity(0)) // size))
     paddle.set_device(device)
     dist.init_parallel_env()
-    return ModelRunner(fd_config, shard=TensorShard(rank, spec.tensor_parallel_size))
+    return ModelRunner(fd_config, shard=TensorShard(rank, size))
 
 
 def _serve(runner, conn: Connection, out: np.ndarray | None) -> None:

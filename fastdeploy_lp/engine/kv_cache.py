@@ -50,7 +50,7 @@ class PrefixCacheStats:
 class BlockPool:
     """Free blocks, reference counts and the hash → block map of the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks

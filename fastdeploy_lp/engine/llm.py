@@ -7,10 +7,13 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from fastdeploy_lp.config import CacheConfig, FDConfig
+from fastdeploy_lp import envs
+from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.request import RequestOutput
+from fastdeploy_lp.options import options, signature_of
 from fastdeploy_lp.processors.builtin.tool_execution import load_tool_functions
+from fastdeploy_lp.processors.custom_backends import load_custom_backends
 from fastdeploy_lp.reasoning import get_reasoning_parser
 from fastdeploy_lp.sampling_params import SamplingParams
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
@@ -21,42 +24,43 @@ Prompt = str | list[int]
 BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
 
 
-def build_engine(model: str | None = None, *, logits_processors: list[str] | tuple[str, ...] | None = None,
-                 max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
-                 dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-                 tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
-                 guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
-                 custom_guided_decoding_backends: dict[str, Any] | None = None,
-                 cache_config: CacheConfig | None = None, tensor_parallel_size: int = 1,
-                 quantization: str | None = None) -> LLMEngine:
+def build_engine(args: EngineArgs) -> LLMEngine:
     """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
 
     Cheap checks come first (processor list, guided-decoding backend, reasoning parser, tool
-    functions), so a bad value fails before the checkpoint loads. `custom_guided_decoding_backends`
-    is a dict of already loaded backends (name -> `CustomBackend`; the server loads them from
-    `--custom-guided-decoding-backends`). Every error is a `ValueError` (or `OSError` for a missing
-    model) naming the argument. `tensor_parallel_size` > 1 splits the model over that many processes
-    (docs/distributed.md); its checks also run before any weight loads.
+    functions), so a bad value fails before the checkpoint loads. Custom guided-decoding backends
+    are loaded here from their directory (or taken as given, a dict of `CustomBackend`s). Every
+    error is a `ValueError` (or `OSError` for a missing model) naming the argument.
+    `tensor_parallel_size` > 1 splits the model over that many processes (docs/distributed.md);
+    its checks also run before any weight loads.
     """
-    if logits_processors is not None and not isinstance(logits_processors, (list, tuple)):
+    if args.logits_processors is not None and not isinstance(args.logits_processors, (list, tuple)):
         raise ValueError("logits_processors: must be a list of processor names")
-    custom = dict(custom_guided_decoding_backends or {})
-    if guided_decoding_backend not in BUILTIN_GUIDED_DECODING_BACKENDS and guided_decoding_backend not in custom:
-        raise ValueError(f"guided_decoding_backend: unknown backend {guided_decoding_backend!r}; available: "
+    custom = args.custom_guided_decoding_backends or {}
+    if isinstance(custom, str):
+        custom = load_custom_backends(custom, args.trust_custom_code or envs.get_flag("FDLP_TRUST_CUSTOM_CODE"))
+    backend = args.guided_decoding_backend
+    if backend not in BUILTIN_GUIDED_DECODING_BACKENDS and backend not in custom:
+        raise ValueError(f"guided_decoding_backend: unknown backend {backend!r}; available: "
                          f"{', '.join([*BUILTIN_GUIDED_DECODING_BACKENDS, *custom])}")
-    get_reasoning_parser(reasoning_parser)  # an unknown name fails here, naming the choices
-    tools = load_tool_functions(tool_functions)
-    fd_config = FDConfig.create(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
-                                dtype=dtype, logits_processors=list(logits_processors or []),
-                                guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                                logits_processor_timeout_s=logits_processor_timeout_s,
-                                tensor_parallel_size=tensor_parallel_size, quantization=quantization)
-    fd_config.custom_guided_decoding_backends = custom
-    fd_config.cache_config = cache_config or CacheConfig()
-    fd_config.guided_whitespace_pattern = guided_whitespace_pattern
-    fd_config.reasoning_parser = reasoning_parser
+    get_reasoning_parser(args.reasoning_parser)  # an unknown name fails here, naming the choices
+    tools = load_tool_functions(args.tool_functions)
+    fd_config = args.create_engine_config()
+    fd_config.custom_guided_decoding_backends = dict(custom)
     fd_config.tool_functions = tools
     return LLMEngine(fd_config)
+
+
+def _engine_args(args: tuple, kwargs: dict[str, Any]) -> EngineArgs:
+    """`EngineArgs` of `LLM()`'s arguments (the model may come first, unnamed); a name that is not
+    an option is a `ValueError`."""
+    known = {f.name for f in options(EngineArgs)}
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not an LLM() argument")
+    if len(args) > 1:
+        raise ValueError("LLM(): only model may be given without its name")
+    return EngineArgs(*args, **kwargs)
 
 
 class LLM:
@@ -67,9 +71,11 @@ class LLM:
                        SamplingParams(temperature=0, max_tokens=32))
         print(out[0].outputs.text)
 
-    `model` defaults to the model that ships with the package. `tool_functions` (a dict of
-    callables, or `"pkg.module:REGISTRY"`) serves `ToolExecutionLogitsProcessor`. `engine_worker_queue_port` and
-    `cache_queue_port` are accepted (and unused) so FastDeploy snippets run.
+    The keyword arguments are `EngineArgs`' fields (`help(EngineArgs)` documents each; the server's
+    flags are the same options). `model` defaults to the model that ships with the package.
+    `tool_functions` (a dict of callables, or `"pkg.module:REGISTRY"`) serves
+    `ToolExecutionLogitsProcessor`. `engine_worker_queue_port` and `cache_queue_port` are accepted
+    (and unused) so FastDeploy snippets run.
 
     `tensor_parallel_size=N` splits the model over N worker processes started with
     `paddle.distributed.spawn` (docs/distributed.md): a script doing that needs the usual
@@ -77,30 +83,8 @@ class LLM:
     workers stop when the `LLM` is collected or the interpreter exits.
     """
 
-    def __init__(self, model: str | None = None, *, logits_processors: list[str] | None = None,
-                 max_num_seqs: int = 8, max_model_len: int | None = None, device: str | None = None,
-                 dtype: str | None = None, guided_decoding_backend: str = "llguidance", fast_forward: bool = True,
-                 tool_functions: str | dict | None = None, logits_processor_timeout_s: float | None = 2.0,
-                 guided_whitespace_pattern: str | None = None, reasoning_parser: str | None = None,
-                 engine_worker_queue_port: int | None = None, cache_queue_port: int | None = None,
-                 block_size: int = 16, kv_cache_memory: float = 4.0, gpu_memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, **unsupported: Any):
-        if unsupported:
-            raise ValueError(f"{next(iter(unsupported))}: not an LLM() argument")
-        cache_config = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                                   gpu_memory_utilization=gpu_memory_utilization,
-                                   enable_prefix_caching=enable_prefix_caching,
-                                   enable_chunked_prefill=enable_chunked_prefill,
-                                   max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks)
-        self.engine = build_engine(model, logits_processors=logits_processors, max_num_seqs=max_num_seqs,
-                                   max_model_len=max_model_len, device=device, dtype=dtype,
-                                   guided_decoding_backend=guided_decoding_backend, fast_forward=fast_forward,
-                                   tool_functions=tool_functions, logits_processor_timeout_s=logits_processor_timeout_s,
-                                   guided_whitespace_pattern=guided_whitespace_pattern,
-                                   reasoning_parser=reasoning_parser, cache_config=cache_config,
-                                   tensor_parallel_size=tensor_parallel_size, quantization=quantization)
+    def __init__(self, *args: Any, **kwargs: Any):  # the signature is EngineArgs' (set below)
+        self.engine = build_engine(_engine_args(args, kwargs))
         self.fd_config = self.engine.fd_config
         self.tokenizer = self.engine.tokenizer
 
@@ -160,3 +144,7 @@ class LLM:
                 if runner.failure is not None:  # a tensor-parallel worker died: nothing more can run
                     raise RuntimeError(runner.failure)
         return [done[i] for i in order]
+
+
+# `help(LLM)`, IDEs and `inspect.signature(LLM)` show EngineArgs' fields and defaults.
+LLM.__init__.__signature__ = signature_of(EngineArgs, first="self")

@@ -13,7 +13,7 @@ from typing import Callable
 import paddle
 import paddle.nn.functional as F
 
-from fastdeploy_lp.config import HIDDEN_ACTIVATIONS, UnsupportedCheckpointError
+from fastdeploy_lp.model_config import HIDDEN_ACTIVATIONS, UnsupportedCheckpointError
 
 
 def _gelu_tanh(x: paddle.Tensor) -> paddle.Tensor:

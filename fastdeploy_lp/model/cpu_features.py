@@ -22,9 +22,10 @@ measure it, or to step around a CPU bug). A wider ISA than the CPU has is refuse
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
+
+from fastdeploy_lp import envs
 
 ISA_SWITCH = "FDLP_CPU_ISA"
 ISAS = ("avx512", "avx2", "portable")  # widest first
@@ -81,7 +82,7 @@ def detect() -> CpuFeatures:
         from numpy.core._multiarray_umath import __cpu_features__ as table
     vendor, model = _cpuinfo("vendor_id"), _cpuinfo("model name")
     cpu = CpuFeatures(platform.machine(), frozenset(k for k, v in table.items() if v), vendor, model)
-    cap = os.environ.get(ISA_SWITCH, "").strip().lower()
+    cap = envs.get(ISA_SWITCH).strip().lower()
     if not cap:
         return cpu
     if cap not in ISAS or ISAS.index(cap) < ISAS.index(cpu.isa):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from fastdeploy_lp.config import ModelConfig
+from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear
 

@@ -16,7 +16,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.incubate.nn.functional import fused_rms_norm
 
-from fastdeploy_lp.config import ModelConfig
+from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model import cpu_features, cpu_kernels
 from fastdeploy_lp.model.activations import activation

@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from fastdeploy_lp.config import ModelConfig, UnsupportedCheckpointError
+from fastdeploy_lp.model_config import ModelConfig, UnsupportedCheckpointError
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model.decoder import DecoderForCausalLM

@@ -19,7 +19,6 @@ cached (it depends on load). Identical constraints compiling at the same time ar
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance as llg
 
+from fastdeploy_lp import envs
 # The constraint model lived here before it moved below the sandbox (constraint.py, grammar_text.py);
 # its names stay importable from this module, where code outside the package found them.
 from fastdeploy_lp.processors.guided.constraint import (FIELDS, MAX_CONSTRAINT_CHARS, CompiledConstraint,
@@ -50,7 +50,7 @@ BUILD_STACK_BYTES = 32 << 20  # in-process builds: 4x a compile worker's stack (
 
 def default_compile_timeout_s() -> float:
     """The time limit of preparing one request's constraint (custom backends' hooks too)."""
-    return float(os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_TIMEOUT_S", 5.0))
+    return envs.get_float("FDLP_GUIDED_COMPILE_TIMEOUT_S")
 
 
 class _BigStackThreads:
@@ -109,7 +109,7 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer: sandboxed, time-limited, LRU-cached.
 
     `tokenizer_spec` (`tokenizer.lltokenizer_spec`) lets compile workers build the same vocabulary;
-    `workers` (env FASTDEPLOY_LP_GUIDED_COMPILE_WORKERS, default 2) is the size of the worker pool,
+    `workers` (env FDLP_GUIDED_COMPILE_WORKERS, `fastdeploy_lp.envs`) is the size of the worker pool,
     which compilers with the same vocabulary share. With `workers=0` or no spec, everything is
     compiled in this process, on a large-stack thread abandoned at the time limit: no isolation."""
 
@@ -117,11 +117,11 @@ class GrammarCompiler:
                  compile_timeout_s: float | None = None, limits: llg.LLParserLimits | None = None,
                  tokenizer_spec: dict | None = None, workers: int | None = None):
         self.lltokenizer = lltokenizer
-        self.cache_size = cache_size or int(os.environ.get("FASTDEPLOY_LP_GUIDED_CACHE_SIZE", 128))
+        self.cache_size = cache_size or envs.get_int("FDLP_GUIDED_CACHE_SIZE")
         self.compile_timeout_s = compile_timeout_s or default_compile_timeout_s()
         self.limits = limits
         if workers is None:
-            workers = int(os.environ.get("FASTDEPLOY_LP_GUIDED_COMPILE_WORKERS", 2))
+            workers = envs.get_int("FDLP_GUIDED_COMPILE_WORKERS")
         self.sandbox = CompileSandbox.shared(tokenizer_spec, workers) if tokenizer_spec and workers > 0 else None
         self._executor = llg.LLExecutor(1)
         self._cache: OrderedDict[tuple, CompiledConstraint | GuidedDecodingError] = OrderedDict()

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import paddle
 
+from fastdeploy_lp import envs
 from fastdeploy_lp.model import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def threads() -> int:
 def mode() -> str:
     """`auto` (default), `0` or `1` (see the module docstring): `set_mode`'s, else `FDLP_CPU_KERNELS`."""
     if _mode is None:
-        set_mode(os.environ.get(SWITCH, "auto").strip().lower() or "auto")
+        set_mode(envs.get(SWITCH).strip().lower() or "auto")
     return _mode
 
 
