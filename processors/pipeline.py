@@ -5,15 +5,17 @@ forward pass and `apply` after it in registration order, times both per processo
 failures: a processor that raises fails only the requests that enabled it.
 
 Processors never see the engine's `ShareInputs`: each gets its own step view (`step_view.py`), and
-what it appends to that view's `forced_tokens` is its result, checked (`ForcedTokens`) before it is
-added to the engine's queues. A processor whose result breaks the contract fails like one that
-raised, and none of its tokens are used.
+what it appends to that view's `forced_tokens` is its result, checked (`ForcedTokens`) before it
+counts. `update_state` hands the engine what a round of processors produced as one typed value
+(`ProcessorResults`: forced tokens and failures per slot); nothing is written back into
+`share_inputs`. A processor whose result breaks the contract fails like one that raised, and none
+of its tokens are used.
 
 Request-level `SamplingParams.logit_bias` and `bad_words` run through the same built-in processors
 as `logits_processors_args`, in a second stage the engine applies after the penalties (where the
 sampler order puts them), whether or not the operator registered those processors by name. That
 stage sees `share_inputs` with each slot's args read from its `SamplingParams`, so the built-ins
-need no second code path.
+need no second code path. Where both stages sit among the others: `engine/stages.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -42,6 +44,16 @@ class ProcessorTiming:
     calls: int = 0
     failures: int = 0      # steps in which the processor raised
     timeouts: int = 0      # steps in which it ran past the time limit
+
+
+@dataclass(frozen=True)
+class ProcessorResults:
+    """What one round of `update_state` hands the engine: per slot, the tokens the processors
+    declared certain to come next (checked, in order, after those already queued), and the
+    requests to fail with their messages."""
+
+    forced: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 def _raised(error: BaseException) -> bool:
@@ -134,17 +146,20 @@ class LogitsProcessorPipeline:
         return ReadOnlyArgs(out)
 
     # -- each step ------------------------------------------------------------------------------
-    def update_state(self, share_inputs: ShareInputs) -> dict[int, str]:
-        """Run every `update_state` (both stages) on step views of the engine's `share_inputs`, and
-        add the forced tokens that pass the checks to its `forced_tokens` queues; return
-        {slot: error message} for requests to fail."""
+    def update_state(self, share_inputs: ShareInputs) -> ProcessorResults:
+        """Run every `update_state` (both stages) on step views of the engine's `share_inputs`;
+        return the forced tokens that pass the checks and the requests to fail."""
         failures: dict[int, str] = {}
+        engine_queues = share_inputs["forced_tokens"]
+        queues = [list(q) for q in engine_queues]  # a processor sees what those before it forced
         view = self._view.build(share_inputs)
-        self.registered.update_state(share_inputs, view, failures)
+        self.registered.update_state(share_inputs, view, queues, failures)
         sampling = self._sampling_view(share_inputs)
         self.sampling_stage.update_state(sampling, {**view, "logits_processors_args": tuple(self._sampling_args)},
-                                         failures)
-        return failures
+                                         queues, failures)
+        forced = {slot: tuple(q[len(engine_queues[slot]):]) for slot, q in enumerate(queues)
+                  if len(q) > len(engine_queues[slot])}
+        return ProcessorResults(forced, failures)
 
     def apply(self, logits: paddle.Tensor, share_inputs: ShareInputs,
               all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
@@ -190,11 +205,11 @@ class _Stage:
         self._enabled: list[bool] = [False] * len(processors)
         self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
 
-    def update_state(self, share_inputs: ShareInputs, view: dict, failures: dict[int, str]) -> None:
+    def update_state(self, share_inputs: ShareInputs, view: dict, queues: list[list[int]],
+                     failures: dict[int, str]) -> None:
         """Each processor's `update_state` on its own copy of `view`; its forced tokens, once
-        checked, join `share_inputs["forced_tokens"]` (where the next processor sees them)."""
+        checked, join `queues` (this round's, where the next processor sees them)."""
         rows = _active_rows(share_inputs)
-        queues = share_inputs["forced_tokens"]
         for i, p in enumerate(self.processors):
             self._enabled[i] = any(type(p).is_enabled_by(a, sp) for _, a, sp in rows)
             mine = StepView.for_processor(view, queues)

@@ -16,6 +16,7 @@ from fastdeploy_lp.engine import scheduler
 from fastdeploy_lp.processors import (SHARE_INPUTS_VERSION, BatchTracker, LogitsProcessor, LogitsProcessorPipeline,
                                       ProcessorLoadError, ShareInputs, resolve_processors)
 from fastdeploy_lp.processors.builtin.bad_words import word_sequences
+from fastdeploy_lp.processors.pipeline import ProcessorResults
 
 NEG_INF = np.float32(-np.inf)
 
@@ -232,7 +233,7 @@ def test_sampling_params_stage_fails_only_its_requests_and_leaves_other_rows_alo
     batch.place(4, [5, 7])
     batch.share["sampling_params"][1] = SamplingParams(logit_bias={3: 2.5}, bad_words=["ab"])
     batch.share["sampling_params"][4] = SamplingParams()
-    assert not pipeline.update_state(batch.share)
+    assert pipeline.update_state(batch.share) == ProcessorResults()  # nothing forced, nobody failed
     x = np.random.default_rng(0).standard_normal((2, 1024)).astype(np.float32)
     out, failures = pipeline.apply_sampling_params(paddle.to_tensor(x.copy()), batch.share, all_greedy=True)
     out = out.numpy()

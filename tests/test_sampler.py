@@ -10,6 +10,8 @@ from conftest import fixture_dir, load_reference
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.engine.stages import SamplingStages
+from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.processors.tensor_ops import add_at
 
 V = 12
@@ -56,7 +58,7 @@ def test_sampling_distribution_matches_numpy_reference(logits_row, params):
     n = 6000
     sampler = Sampler(n, V, eos_token_ids=[0])
     requests = [_request(i, seed=i, **params) for i in range(n)]
-    tokens = sampler.sample(paddle.to_tensor(np.tile(logits_row, (n, 1))), requests).tokens
+    tokens = SamplingStages(sampler).sample(paddle.to_tensor(np.tile(logits_row, (n, 1))), requests).tokens
     freq = np.bincount(tokens, minlength=V) / n
     ref = _reference_probs(logits_row.astype(np.float64), **params)
     assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(ref))
@@ -70,7 +72,7 @@ def test_penalties_match_reference(logits_row):
     sampler.on_admit(r)
     for t in output:  # let the sampler count the output tokens as it would have produced them
         sampler.record_token(r, t)
-    sampler.flush_counts()  # sample() does this first
+    sampler.flush_counts()  # the penalties stage does this first
     r.output_ids = output
     got = sampler._apply_penalties(paddle.to_tensor(logits_row[None]), [r]).numpy()[0]
     ref = logits_row.astype(np.float64).copy()
@@ -86,18 +88,21 @@ def test_min_tokens_stage():
     through the built-in processors: test_processors_contract.py checks that stage.)"""
     sampler = Sampler(2, V, eos_token_ids=[0])
     r = _request(0, output=[5], min_tokens=2, stop_token_ids=[7], logit_bias={3: 2.5})
-    got = sampler._apply_min_tokens(paddle.zeros([1, V]), [r]).numpy()[0]
+    rows = StepRows.of(paddle.zeros([1, V]), [r])
+    sampler.min_tokens(rows)
     expected = np.zeros(V)
     expected[[0, 7]] = -np.inf
-    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(rows.logits.numpy()[0], expected)
     r.output_ids = [5, 6]  # min_tokens reached: nothing is banned
-    assert not sampler._apply_min_tokens(paddle.zeros([1, V]), [r]).numpy().any()
+    rows = StepRows.of(paddle.zeros([1, V]), [r])
+    sampler.min_tokens(rows)
+    assert not rows.logits.numpy().any()
 
 
 def test_greedy_rows_take_argmax_and_logprobs_are_normalised(logits_row):
     sampler = Sampler(2, V, eos_token_ids=[0])
     rows = [_request(0, temperature=0, logprobs=3), _request(1, temperature=1.0)]
-    result = sampler.sample(paddle.to_tensor(np.stack([logits_row, logits_row])), rows)
+    result = SamplingStages(sampler).sample(paddle.to_tensor(np.stack([logits_row, logits_row])), rows)
     assert result.tokens[0] == int(np.argmax(logits_row))
     lp = result.logprobs[0]
     ref = np.log(_softmax(logits_row.astype(np.float64)))
@@ -186,7 +191,7 @@ def test_the_two_level_draw_matches_the_distribution_across_buckets():
     n = 6000
     sampler = Sampler(n, vocab, eos_token_ids=[0])
     requests = [_request(i, seed=i, temperature=1.0) for i in range(n)]
-    tokens = sampler.sample(paddle.to_tensor(np.tile(logits, (n, 1))), requests).tokens
+    tokens = SamplingStages(sampler).sample(paddle.to_tensor(np.tile(logits, (n, 1))), requests).tokens
     ref = _softmax(logits.astype(np.float64))
     groups = np.arange(vocab) // 100  # 13 groups of ids, spread over the buckets
     np.testing.assert_allclose(np.bincount(groups[tokens], minlength=13) / n, np.bincount(groups, weights=ref),
@@ -201,11 +206,11 @@ def test_a_rows_draw_ignores_its_neighbours_sampling_options():
     mine = rng.normal(size=(n, vocab)).astype(np.float32)
     neighbour = rng.normal(size=(n, vocab)).astype(np.float32)
     sampler = Sampler(2 * n, vocab, eos_token_ids=[0])
-    alone = sampler.sample(paddle.to_tensor(mine), [_request(i, seed=i, temperature=1.0) for i in range(n)]).tokens
+    alone = SamplingStages(sampler).sample(paddle.to_tensor(mine), [_request(i, seed=i, temperature=1.0) for i in range(n)]).tokens
     mixed = np.stack([mine, neighbour], axis=1).reshape(2 * n, vocab)
     requests = [r for i in range(n) for r in (_request(2 * i, seed=i, temperature=1.0),
                                               _request(2 * i + 1, seed=7, top_k=3, top_p=0.5, min_p=0.1))]
-    beside = sampler.sample(paddle.to_tensor(mixed), requests).tokens[0::2]
+    beside = SamplingStages(sampler).sample(paddle.to_tensor(mixed), requests).tokens[0::2]
     assert (beside == alone).all()
 
 
@@ -220,6 +225,6 @@ def test_a_1e_5_change_of_the_logits_rarely_changes_the_draw():
         logits = rng.normal(size=(n, vocab)).astype(np.float32) * 2.5
         noisy = logits + rng.normal(size=logits.shape).astype(np.float32) * 1e-5
         requests = [_request(i, seed=b * n + i, temperature=1.0) for i in range(n)]
-        first = sampler.sample(paddle.to_tensor(logits), requests).tokens
-        changed += int((sampler.sample(paddle.to_tensor(noisy), requests).tokens != first).sum())
+        first = SamplingStages(sampler).sample(paddle.to_tensor(logits), requests).tokens
+        changed += int((SamplingStages(sampler).sample(paddle.to_tensor(noisy), requests).tokens != first).sum())
     assert changed <= 2, f"{changed} of {n * batches} draws changed"

@@ -1,10 +1,10 @@
 """`LLMEngine`: requests in, one continuous-batching step at a time, `RequestOutput`s out.
 
-One step: admit waiting requests into free slots → `pipeline.update_state(share_inputs)` → one
-forward pass over every active slot (prompts of new slots, the last token of running ones) →
-`pipeline.apply(logits)` → penalties → `pipeline.apply_sampling_params(logits)` (the request's
-`logit_bias` and `bad_words`, through the built-in processors) → sampler → append tokens,
-detokenize, check stops, free finished slots.
+One step: admit waiting requests into free slots → `pipeline.update_state(share_inputs)` (its
+typed result: forced tokens and failures, `_prepare`) → one forward pass over every active slot
+(prompts of new slots, the tokens of running ones not computed yet) → the sampling stages in one
+pass (`engine/stages.py`: processors, penalties, request-level bias and bad words, sampler) →
+append tokens, detokenize, check stops, free finished slots.
 
 `add_request` and `abort_request` may be called from any thread (the server's event loop);
 `step` runs on one engine thread. A step never raises an `Exception`: what no request's isolation
@@ -30,10 +30,12 @@ from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.engine.stages import SamplingStages
+from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
 from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
-from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
+from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline, ProcessorResults
 from fastdeploy_lp.sampling_params import SamplingParams
 from fastdeploy_lp.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -85,6 +87,7 @@ class LLMEngine:
         self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
                                        cache.enable_chunked_prefill)
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
+        self.stages = SamplingStages(self.sampler, self.pipeline, self.scheduler.share_inputs)
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pending = 0
@@ -198,17 +201,7 @@ class LLMEngine:
         finished: list[Request] = []
         self._drain_inbox(finished)
         chunks = self._schedule_prompts(finished)
-        share_inputs = self.scheduler.share_inputs
-
-        while True:  # settle: processors see requests leave and forced tokens land before the pass
-            failures = self.pipeline.update_state(share_inputs)
-            for slot, message in failures.items():
-                self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
-            appended = self._take_forced_tokens(finished)
-            preempted = self.scheduler.reserve_running()
-            if not failures and not appended and not preempted:
-                break
-
+        self._prepare(finished)
         running = self.scheduler.running
         chunks = [c for c in chunks if c.request.slot is not None]  # a preempted request's chunk waits
         if running or chunks:
@@ -257,21 +250,44 @@ class LLMEngine:
         for r in requests:
             self._finish(r, FinishReason.ERROR, finished, f"the engine step failed: {type(error).__name__}: {error}")
 
-    def _take_forced_tokens(self, finished: list[Request]) -> bool:
-        """Collect tokens processors published as certain; with fast-forward, append them now.
+    def _prepare(self, finished: list[Request]) -> None:
+        """Bring the processors' state to the batch this step's pass computes.
 
-        Returns True if any were appended: processors then see them (a tool call the forced text
-        completes, a request it finished) before the next token is sampled.
+        A round runs every `update_state` and applies its result: failed requests leave, forced
+        tokens join their requests' queues (with fast-forward they are appended now), and blocks
+        are reserved for what the pass computes, which may preempt requests. Processors must see
+        each of these before `apply` (rows that left; output that grew, which may close a tool
+        call or finish a request; `RequestFailures` promises a call for the smaller batch), so a
+        round that changed anything is followed by another. Each such round ends a request or
+        appends tokens, so the rounds are bounded by the batch's remaining `max_tokens`.
         """
+        while True:
+            result = self.pipeline.update_state(self.scheduler.share_inputs)
+            for slot, message in result.failures.items():
+                self._finish(self.scheduler.slots[slot], FinishReason.ERROR, finished, message)
+            appended = self._take_forced_tokens(result, finished)
+            preempted = self.scheduler.reserve_running()
+            if not result.failures and not appended and not preempted:
+                return
+
+    def _take_forced_tokens(self, result: ProcessorResults, finished: list[Request]) -> bool:
+        """Queue the tokens the processors declared certain; with fast-forward, append them now.
+
+        Returns True if any were appended. Without fast-forward a queued token takes the place of
+        one sampled token per step, and processors see the queue in `forced_tokens[slot]`.
+        """
+        for slot, tokens in result.forced.items():
+            request = self.scheduler.slots[slot]
+            if request is not None and not request.finished:
+                request.forced_queue.extend(tokens)
         if not self.fd_config.fast_forward:
-            return False  # the queue stays in forced_tokens[slot], where processors see it: one per step
-        forced = self.scheduler.share_inputs["forced_tokens"]
+            return False
         appended = False
         for request in self.scheduler.running:
-            queue = forced[request.slot]
+            queue = list(request.forced_queue)
             if not queue:
                 continue
-            forced[request.slot] = []
+            request.forced_queue.clear()  # in place: share_inputs shows this list
             now = time.monotonic()
             for token in queue:
                 if request.finished:
@@ -294,27 +310,16 @@ class LLMEngine:
         if self.tokenizer.vocab_size < logits.shape[-1]:
             # Checkpoints pad the embedding matrix past the tokenizer: those ids are no tokens.
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
-        # guided mask → registered processors → penalties → SamplingParams.logit_bias, bad_words → sampler
-        share_inputs, all_greedy = self.scheduler.share_inputs, all(r.params.greedy for r in running)
-        logits, failures = self.pipeline.apply(logits, share_inputs, all_greedy)
-        logits = self.sampler.apply_penalties(logits, running)
-        logits, late = self.pipeline.apply_sampling_params(logits, share_inputs, all_greedy)
-        failures = {**late, **failures}
-        result = self.sampler.sample(logits, running)
+        rows = self.stages.run(StepRows.of(logits, running))
         now = time.monotonic()
         for row, request in enumerate(running):
-            if request.slot in failures:
-                self._finish(request, FinishReason.ERROR, finished, failures[request.slot])
-                continue
-            if row in result.failures:
-                self._finish(request, FinishReason.ERROR, finished, result.failures[row])
-                continue
-            queue = self.scheduler.share_inputs["forced_tokens"][request.slot]
-            if queue:  # fast-forward off: a forced token takes this step's place
-                token = queue.pop(0)
+            if request.slot in rows.failures:
+                self._finish(request, FinishReason.ERROR, finished, rows.failures[request.slot])
+            elif request.forced_queue:  # fast-forward off: a forced token takes this step's place
+                token = request.forced_queue.pop(0)
                 self._append(request, token, forced_logprob(request, token), now, finished)
             else:
-                self._append(request, int(result.tokens[row]), result.logprobs[row], now, finished)
+                self._append(request, int(rows.tokens[row]), rows.logprobs[row], now, finished)
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

@@ -125,7 +125,7 @@ class Request:
     admission: int = 0                  # admission order (the most recent is preempted first)
     active: bool = False                # in share_inputs: prompt computed, generating
     resumed: bool = False               # preempted at least once
-    forced_queue: list[int] = field(default_factory=list)  # forced tokens still queued when preempted
+    forced_queue: list[int] = field(default_factory=list)  # forced tokens not appended yet (fast-forward off)
     _reported_tokens: int = 0
 
     @property

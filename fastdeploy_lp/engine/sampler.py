@@ -1,10 +1,9 @@
-"""Turning the processed logits of a batch into one token per row.
+"""The sampler's stages: penalties, min_tokens, temperature, min_p, top-k/top-p and the draw.
 
-Order (docs/logits_processors.md, "Where in sampling"): penalties (`apply_penalties`: repetition
-over prompt+output, frequency/presence over output) → [the engine applies `SamplingParams.logit_bias`
-and `bad_words` here, through the built-in processors] → `sample`: min_tokens → temperature →
-min_p → top-k/top-p → sample. Everything is batched on the logits' device; the only host transfer
-is the sampled ids (and the logprobs of requests that ask for them).
+Each is a method over `StepRows` (every row at once, on the logits' device); `engine/stages.py`
+says in which order they run, between and after the logits processors. The only host transfer is
+the drawn ids (and the logprobs of requests that ask for them). The `Sampler` also keeps the state
+the penalties need across steps: each slot's output token counts and prompt membership.
 
 Seeded sampling depends on nothing but the request. The random numbers behind a row's draw are a
 function of the request's seed and the position of the token being drawn (`seeded_uniforms`,
@@ -26,18 +25,14 @@ rounding of every probability before the drawn token, changed about one draw in 
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
 from fastdeploy_lp.engine.request import Logprob, Request
+from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.processors.tensor_ops import add_at, fill_at
-
-logger = logging.getLogger(__name__)
 
 
 def _unusable_rows(logits: paddle.Tensor, argmax: paddle.Tensor, ones: paddle.Tensor) -> paddle.Tensor:
@@ -83,13 +78,6 @@ def _gumbel(uniforms: paddle.Tensor) -> paddle.Tensor:
     return -paddle.log(-paddle.log(uniforms))
 
 
-@dataclass
-class SampleResult:
-    tokens: np.ndarray                  # [rows] int64; undefined for failed rows
-    logprobs: list[Logprob | None]      # per row, for requests that asked
-    failures: dict[int, str] = field(default_factory=dict)  # row -> why that request cannot go on
-
-
 def _noise_count(vocab: int) -> int:
     size = min(BUCKET, vocab)
     return -(-vocab // size) + size
@@ -124,68 +112,11 @@ class Sampler:
         self._counts[request.slot] = paddle.to_tensor(counts[: self.vocab_size].astype(np.float32))
         self._in_prompt[request.slot] = paddle.to_tensor(prompt[: self.vocab_size])
 
-    def sample(self, logits: paddle.Tensor, requests: list[Request]) -> SampleResult:
-        """One token per row. A row whose data makes sampling fail, or whose logits leave nothing
-        sensible to sample (NaN, +inf, every token at -inf), is reported in `failures`; the others
-        are sampled exactly as they would be without it.
-        """
+    # -- stages (their order: engine/stages.py) ----------------------------------------------------
+    def penalties(self, rows: StepRows) -> None:
+        """The repetition, frequency and presence penalties of each row's request (float32 logits)."""
         self.flush_counts()
-        greedy = [r.params.greedy for r in requests]
-        uniforms = None if all(greedy) else seeded_uniforms(
-            np.array([r.seed for r in requests], dtype=np.uint64),
-            np.array([len(r.output_ids) for r in requests], dtype=np.uint64), _noise_count(logits.shape[-1]))
-        try:
-            tokens, logprobs, unusable = self._sample(logits, requests, greedy, uniforms)
-        except Exception:
-            if len(requests) == 1:
-                raise
-            return self._sample_rows_alone(logits, requests, greedy, uniforms)
-        failures = {int(i): UNUSABLE for i in np.flatnonzero(unusable)}
-        return SampleResult(tokens, logprobs, failures)
-
-    def _sample(self, logits, requests, greedy, uniforms):
-        logits = self._apply_min_tokens(logits.astype("float32"), requests)
-        on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
-        kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
-        argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
-        if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
-            self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
-        unusable = _unusable_rows(logits, argmax, self._ones)
-        logprobs = self._logprobs(logits, requests)
-        if uniforms is None:
-            tokens = argmax
-        else:
-            tokens = paddle.where(paddle.to_tensor(greedy), argmax, self._draw(logits, requests, uniforms))
-        tokens = tokens.numpy().astype(np.int64)
-        unusable = unusable.numpy()
-        return tokens, self._pick_logprobs(logprobs, tokens, requests), unusable
-
-    def _sample_rows_alone(self, logits, requests, greedy, uniforms) -> SampleResult:
-        """The batch failed: sample each row alone so only the rows whose data raise fail."""
-        tokens = np.zeros(len(requests), dtype=np.int64)
-        logprobs: list[Logprob | None] = [None] * len(requests)
-        failures = {}
-        for i, r in enumerate(requests):
-            row = logits[i:i + 1]
-            u = None if uniforms is None or greedy[i] else uniforms[i:i + 1]
-            try:
-                t, lp, unusable = self._sample(row, [r], greedy[i:i + 1], u)
-            except Exception as e:
-                logger.exception("sampling failed for request %s", r.request_id)
-                failures[i] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            if unusable[0]:
-                failures[i] = UNUSABLE
-                continue
-            tokens[i], logprobs[i] = t[0], lp[0]
-        return SampleResult(tokens, logprobs, failures)
-
-    # -- stages -----------------------------------------------------------------------------------
-    def apply_penalties(self, logits: paddle.Tensor, requests: list[Request]) -> paddle.Tensor:
-        """The repetition, frequency and presence penalties of each row's request (float32 logits);
-        the first stage after the registered processors."""
-        self.flush_counts()
-        return self._apply_penalties(logits.astype("float32"), requests)
+        rows.logits = self._apply_penalties(rows.logits.astype("float32"), rows.requests)
 
     def _apply_penalties(self, logits, requests):
         rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
@@ -204,38 +135,45 @@ class Sampler:
         part = part - freq * counts - pres * (counts > 0).astype("float32")
         return paddle.scatter(logits, row_index, part, overwrite=True)
 
-    def _apply_min_tokens(self, logits, requests):
-        """EOS and the stop token ids are banned until a request has `min_tokens` tokens."""
+    def min_tokens(self, rows: StepRows) -> None:
+        """EOS and the stop token ids are banned in a row until its request has `min_tokens` tokens."""
         ban_rows, ban_cols = [], []
-        for i, r in enumerate(requests):
+        for i, (r, position) in enumerate(zip(rows.requests, rows.positions.tolist())):
             p = r.params
-            if len(r.output_ids) >= p.min_tokens:
+            if position >= p.min_tokens:
                 continue
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             ban_rows += [i] * len(banned)
             ban_cols += sorted(banned)
-        return fill_at(logits, ban_rows, ban_cols)
+        rows.logits = fill_at(rows.logits.astype("float32"), ban_rows, ban_cols)
 
-    def _draw(self, logits, requests, uniforms):
-        temps = [1.0 if r.params.greedy else r.params.temperature for r in requests]
-        temps = paddle.to_tensor(temps, dtype="float32").unsqueeze(1)
-        probs = F.softmax(logits / temps, axis=-1)
-        min_p = [r.params.min_p for r in requests]
-        if any(min_p):
-            floor = paddle.to_tensor(min_p, dtype="float32").unsqueeze(1) * probs.max(axis=-1, keepdim=True)
-            probs = paddle.where(probs < floor, paddle.zeros_like(probs), probs)
-        probs = self._top_k_top_p(probs, requests)
-        return self._two_level_gumbel_max(probs, paddle.to_tensor(uniforms))
+    @staticmethod
+    def temperature(rows: StepRows) -> None:
+        """The distribution the draw samples from: softmax of the logits over each row's temperature
+        (greedy rows take the argmax of the logits instead, so an all-greedy batch needs none)."""
+        if rows.all_greedy:
+            return
+        temps = [1.0 if r.params.greedy else r.params.temperature for r in rows.requests]
+        rows.probs = F.softmax(rows.logits / paddle.to_tensor(temps, dtype="float32").unsqueeze(1), axis=-1)
 
-    def _top_k_top_p(self, probs, requests):
+    @staticmethod
+    def min_p(rows: StepRows) -> None:
+        """Zero each row's probabilities below its `min_p` times its largest one."""
+        min_p = [r.params.min_p for r in rows.requests]
+        if rows.probs is None or not any(min_p):
+            return
+        floor = paddle.to_tensor(min_p, dtype="float32").unsqueeze(1) * rows.probs.max(axis=-1, keepdim=True)
+        rows.probs = paddle.where(rows.probs < floor, paddle.zeros_like(rows.probs), rows.probs)
+
+    def top_k_top_p(self, rows: StepRows) -> None:
         """Zero what each row's own top-k and top-p leave out. Rows are sorted only to find each
         one's smallest kept probability; the draw itself stays in token-id order, so whether a
         neighbour made the batch sort changes nothing for a row (ties at that probability are kept)."""
-        top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests]
-        top_p = [r.params.top_p for r in requests]
-        vocab = probs.shape[-1]
-        if min(top_k) >= vocab and min(top_p) >= 1.0:
-            return probs
+        top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows.requests]
+        top_p = [r.params.top_p for r in rows.requests]
+        if rows.probs is None or (min(top_k) >= rows.probs.shape[-1] and min(top_p) >= 1.0):
+            return
+        probs, vocab = rows.probs, rows.probs.shape[-1]
         sorted_probs = paddle.sort(probs, axis=-1, descending=True)
         rank = paddle.arange(vocab, dtype="int64").unsqueeze(0)
         top_p = paddle.to_tensor(top_p, dtype="float32").unsqueeze(1)
@@ -245,7 +183,30 @@ class Sampler:
         keep = paddle.logical_and(rank < paddle.to_tensor(top_k, dtype="int64").unsqueeze(1), in_p)
         kept = keep.astype("int64").sum(axis=-1, keepdim=True)  # keep is a prefix of the sorted row
         threshold = paddle.take_along_axis(sorted_probs, kept - 1, axis=1)
-        return paddle.where(probs >= threshold, probs, paddle.zeros_like(probs))
+        rows.probs = paddle.where(probs >= threshold, probs, paddle.zeros_like(probs))
+
+    def draw(self, rows: StepRows) -> None:
+        """One token per row: the argmax of the logits for greedy rows, a seeded Gumbel-max over
+        `probs` for the others; the logprobs of the logits for requests that ask. A row with
+        nothing sensible to sample (NaN, +inf, every token at -inf) fails its request."""
+        logits = rows.logits
+        on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
+        kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
+        argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
+        if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
+            self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
+        unusable = _unusable_rows(logits, argmax, self._ones)
+        logprobs = self._logprobs(logits, rows.requests)
+        tokens = argmax
+        if rows.probs is not None:
+            uniforms = seeded_uniforms(np.array([r.seed for r in rows.requests], dtype=np.uint64),
+                                       rows.positions.astype(np.uint64), _noise_count(logits.shape[-1]))
+            drawn = self._two_level_gumbel_max(rows.probs, paddle.to_tensor(uniforms))
+            tokens = paddle.where(paddle.to_tensor(rows.greedy), argmax, drawn)
+        rows.tokens = tokens.numpy().astype(np.int64)
+        rows.logprobs = self._pick_logprobs(logprobs, rows.tokens, rows.requests)
+        for i in np.flatnonzero(unusable.numpy()):
+            rows.fail(int(i), UNUSABLE)
 
     @staticmethod
     def _two_level_gumbel_max(probs, uniforms):

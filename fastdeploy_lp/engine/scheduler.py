@@ -206,9 +206,7 @@ class SlotScheduler:
         return preempted
 
     def preempt(self, request: Request) -> None:
-        # Forced tokens still queued (fast-forward off) come back with the request when it rejoins.
-        request.forced_queue = self.share_inputs["forced_tokens"][request.slot] if request.active else []
-        self.free(request)
+        self.free(request)  # its forced tokens still queued (fast-forward off) stay with it, in forced_queue
         request.cached_len = 0
         request.resumed = True
         self.num_preemptions += 1
@@ -244,7 +242,7 @@ class SlotScheduler:
         s["next_tokens"][slot] = request.output_ids[-1] if request.output_ids else -1
         s["sampling_params"][slot] = p
         s["admission_ids"][slot] = request.admission
-        s["forced_tokens"][slot], request.forced_queue = request.forced_queue, []
+        s["forced_tokens"][slot] = request.forced_queue  # the engine's queue, shown to processors
         for name in _SAMPLING_FIELDS:
             s[name][slot] = getattr(p, name)
 
