@@ -41,10 +41,13 @@ from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
 from fastdeploy_lp.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy_lp.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fastdeploy_lp.entrypoints.openai.protocol_responses import ResponsesRequest
 from fastdeploy_lp.entrypoints.openai.request_body import document_request_models
+from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from fastdeploy_lp.entrypoints.openai.routers import ROUTERS
 from fastdeploy_lp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_lp.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy_lp.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy_lp.options import from_namespace
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class ServerSettings:
     shutdown_timeout_s: float
     engine_stall_timeout_s: float | None  # no progress this long while requests wait: /health 503; None: off
     limits: RequestLimits
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE  # responses kept for GET and previous_response_id
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -87,12 +91,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     aliases = settings.model_aliases | {"default", settings.model_path}
     state.chat = OpenAIServingChat(state.async_engine, settings.served_model_names, aliases)
     state.completion = OpenAIServingCompletion(state.async_engine, settings.served_model_names, aliases)
+    state.responses = OpenAIServingResponses(state.chat, ResponseStore(settings.responses_store_size))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     for router in ROUTERS:
         app.include_router(router)
-    document_request_models(app, (ChatCompletionRequest, CompletionRequest))
+    document_request_models(app, (ChatCompletionRequest, CompletionRequest, ResponsesRequest))
     return app
 
 
