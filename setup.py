@@ -31,6 +31,6 @@ setup(
         "prometheus-client",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "openai", "httpx", "jsonschema"]},
+    extras_require={"test": ["pytest", "openai", "httpx", "jsonschema", "anthropic"]},
     entry_points={"console_scripts": ["fastdeploy-lp=fastdeploy_lp.entrypoints.cli:main"]},
 )

@@ -16,16 +16,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-num-seqs", "4", "--served-model-name", "tiny-qwen2", "--max-model-len", "512")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        yield client
+def http():
+    """A client of the one server this module starts."""
+    server = start_server("--max-num-seqs", "4", "--served-model-name", "tiny-qwen2", "--max-model-len", "512")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
 
 
 def test_chat_count_equals_the_prompt_tokens_of_the_same_chat_request(http):

@@ -10,6 +10,7 @@ import hmac
 import json
 
 from fastdeploy_lp.entrypoints.openai.errors import OpenAIError
+from fastdeploy_lp.entrypoints.openai.errors_anthropic import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # what load balancers and scrapers need, without a key
 
@@ -21,8 +22,8 @@ class RequestTooLarge(Exception):
         super().__init__(f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
 
 
-async def send_error(send, error: OpenAIError, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error.body()).encode()
+async def send_error(send, error: OpenAIError, headers: dict[str, str] | None = None, path: str = "") -> None:
+    body = json.dumps(error_body(path, error)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": raw_headers})
@@ -51,9 +52,10 @@ class BodySizeLimitMiddleware:
             except ValueError:
                 size = None
             if size is None or size < 0:
-                return await send_error(send, OpenAIError(400, "Content-Length is not a number", code="invalid_request"))
+                return await send_error(send, OpenAIError(400, "Content-Length is not a number", code="invalid_request"),
+                                        path=scope["path"])
             if size > self.max_bytes:
-                return await send_error(send, too_large(self.max_bytes), {"connection": "close"})
+                return await send_error(send, too_large(self.max_bytes), {"connection": "close"}, scope["path"])
         received = 0
 
         async def limited_receive():
@@ -69,8 +71,8 @@ class BodySizeLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path but /health and /metrics (the API docs and
-    /openapi.json included: they describe what this deployment runs)."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every path but /health
+    and /metrics (the API docs and /openapi.json included: they describe what this deployment runs)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -79,9 +81,12 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
             return await self.app(scope, receive, send)
-        await send_error(send, OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                           code="invalid_api_key"), {"www-authenticate": "Bearer"})
+        if b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), self.api_key):
+            return await self.app(scope, receive, send)
+        await send_error(send, OpenAIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>' "
+                                                "or 'x-api-key: <key>'", code="invalid_api_key"),
+                         {"www-authenticate": "Bearer"}, scope["path"])

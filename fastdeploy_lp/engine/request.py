@@ -60,12 +60,14 @@ class CompletionOutput:
     """FastDeploy's shape: `request_output.outputs.text`.
 
     `token_ids` and `logprobs` are read-only views of everything generated up to this output; `text`
-    is joined when read. `delta_text` / `delta_token_ids` are what this output adds.
+    is joined when read. `delta_text` / `delta_token_ids` are what this output adds. `stop_reason`
+    is the stop string that ended the output (vLLM's field; None for EOS, a stop token or a limit),
+    which the Anthropic API reports as `stop_sequence`.
     """
 
     def __init__(self, index: int, text: str | Callable[[], str], token_ids: Sequence[int],
                  finish_reason: str | None, logprobs: Sequence[Logprob] | None = None, error: str | None = None,
-                 delta_text: str = "", delta_token_ids: list[int] | None = None):
+                 delta_text: str = "", delta_token_ids: list[int] | None = None, stop_reason: str | None = None):
         self.index = index
         self._text = text
         self.token_ids = token_ids
@@ -74,6 +76,7 @@ class CompletionOutput:
         self.error = error
         self.delta_text = delta_text
         self.delta_token_ids = delta_token_ids if delta_token_ids is not None else []
+        self.stop_reason = stop_reason
 
     @property
     def text(self) -> str:
@@ -156,7 +159,8 @@ class Request:
             token_ids=PrefixView(self.output_ids),
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             logprobs=PrefixView(self.logprobs) if self.params.logprobs is not None else None,
-            error=self.error, delta_text=delta, delta_token_ids=new_ids)
+            error=self.error, delta_text=delta, delta_token_ids=new_ids,
+            stop_reason=detokenizer.stopped_on if detokenize else None)
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
