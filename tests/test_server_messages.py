@@ -74,11 +74,17 @@ def test_plain_message_is_the_greedy_chat_answer_with_its_usage(client, http):
 
 
 def test_system_and_text_blocks_count_as_the_chat_they_translate_to(client, http):
-    blocks = [{"role": "user", "content": [{"type": "text", "text": "Hello. "}, {"type": "text", "text": "Who are you?",
-                                                                                "cache_control": {"type": "ephemeral"}}]}]
+    cached = {"type": "text", "text": "Who are you?", "cache_control": {"type": "ephemeral"}}
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "Hello. "}, cached]}]
     msg = client.messages.create(model=MODEL, max_tokens=1, system="Be brief.", messages=blocks)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello. Who are you?"}]
     assert msg.usage.input_tokens == http.post("/tokenize", json={"messages": chat}).json()["count"]
+
+
+def test_count_tokens_is_the_input_tokens_of_the_same_message(client):
+    kw = {"model": MODEL, "system": "Be brief.", "messages": ASK, "tools": [WEATHER]}
+    counted = client.messages.count_tokens(**kw)
+    assert counted.input_tokens == client.messages.create(max_tokens=1, **kw).usage.input_tokens
 
 
 def test_stream_events_come_in_anthropic_order_and_join_to_the_plain_answer(client, http):
@@ -103,8 +109,8 @@ def test_stream_events_come_in_anthropic_order_and_join_to_the_plain_answer(clie
 
 
 def test_max_tokens_ends_with_stop_reason_max_tokens(client):
-    msg = client.messages.create(model=MODEL, max_tokens=3, messages=ASK,
-                                 extra_body={"temperature": 0, "logits_processors_args": {"logit_bias": {"1000": 100.0}}})
+    never_ending = {"temperature": 0, "logits_processors_args": {"logit_bias": {"1000": 100.0}}}
+    msg = client.messages.create(model=MODEL, max_tokens=3, messages=ASK, extra_body=never_ending)
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None and msg.usage.output_tokens == 3
 
 

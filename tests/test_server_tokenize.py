@@ -92,4 +92,5 @@ def test_openapi_documents_both_bodies(http):
     body = paths["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"prompt", "messages", "add_special_tokens"} <= set(body["properties"])
     assert "$ref" not in str(body)
-    assert "tokens" in paths["/detokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    detokenize = paths["/detokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "tokens" in detokenize["properties"]

@@ -223,3 +223,9 @@ class AnthropicMessagesRequest(BaseModel):
         for message in self.messages:
             out += message.to_chat()
         return out
+
+
+class AnthropicCountTokensRequest(AnthropicMessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request's fields; `max_tokens` may be left out."""
+
+    max_tokens: int = Field(1, ge=1, description="Not needed to count the prompt.")

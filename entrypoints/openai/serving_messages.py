@@ -16,6 +16,7 @@ is the prompt the engine ran.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -28,9 +29,11 @@ from fastdeploy_lp.engine.async_engine import EngineNotServingError
 from fastdeploy_lp.engine.request import RequestOutput
 from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
-from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
+from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs
+from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs, value_errors_as_400
+from fastdeploy_lp.entrypoints.openai.serving_tokenize import chat_prompt_ids
 from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser, parse_tool_calls
 from fastdeploy_lp.reasoning import ReasoningStream
 
@@ -42,10 +45,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def create(self, req: AnthropicMessagesRequest, raw: Request, headers: dict[str, str]) -> Response:
-        try:
-            chat_req = req.to_chat_request()
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        chat_req = _chat_request(req)
         backend = self.chat.custom_backend(chat_req)
         if backend is not None and backend.constrained_generator is not None:
             raise bad_request(f"guided_decoding_backend: the server's backend {backend.name!r} rewrites "
@@ -58,6 +58,15 @@ class AnthropicServingMessages:
         if out.outputs.finish_reason == "error":
             raise OpenAIError(500, out.outputs.error or "generation failed", code="generation_error")
         return JSONResponse(self._message(message_id, out, run), headers=headers)
+
+    async def count_tokens(self, req: AnthropicCountTokensRequest, headers: dict[str, str]) -> Response:
+        """`{"input_tokens"}`: the prompt /v1/messages would run, rendered and encoded the same way."""
+        chat_req = _chat_request(req)
+        self.chat.check_model(chat_req.model)
+        with value_errors_as_400():
+            ids = await asyncio.to_thread(chat_prompt_ids, self.chat.tokenizer, chat_req.messages, chat_req.tools,
+                                          chat_template_kwargs=chat_req.chat_template_kwargs)
+        return JSONResponse({"input_tokens": len(ids)}, headers=headers)
 
     def _message(self, message_id: str, out: RequestOutput, run: ChatRun) -> dict:
         o = out.outputs
@@ -164,6 +173,13 @@ class _MessageEvents:
             return []
         self.open = None
         return [_event({"type": "content_block_stop", "index": self.index})]
+
+
+def _chat_request(req: AnthropicMessagesRequest) -> ChatCompletionRequest:
+    try:
+        return req.to_chat_request()
+    except ValidationError as e:  # the chat request's own checks (a tool_choice naming no tool, ...)
+        raise from_validation_error(e) from None
 
 
 def _stop_reason(finish: str | None, called: bool, stop_string: str | None) -> tuple[str | None, str | None]:

@@ -5,7 +5,7 @@
     models.py       GET /v1/models, GET /v1/models/{model}, GET /v1/logits_processors
     generation.py   POST /v1/chat/completions → serving_chat.py, POST /v1/completions → serving_completion.py
     tokenize.py     POST /tokenize, POST /detokenize → serving_tokenize.py
-    messages.py     POST /v1/messages (Anthropic) → serving_messages.py
+    messages.py     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic) → serving_messages.py
 """
 
 from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router

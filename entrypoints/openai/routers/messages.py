@@ -15,7 +15,7 @@ from fastdeploy_lp.engine.async_engine import EngineNotServingError
 from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
 from fastdeploy_lp.entrypoints.openai.middleware import RequestTooLarge, too_large
-from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
+from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from fastdeploy_lp.entrypoints.openai.request_body import ignored_fields_header, inline_body_doc, parse_body
 from fastdeploy_lp.entrypoints.openai.routers.health import require_serving
 from fastdeploy_lp.entrypoints.openai.serving_engine import ClientDisconnected
@@ -61,3 +61,12 @@ async def create_message(request: Request):
     body = await parse_body(request, AnthropicMessagesRequest)
     headers = ignored_fields_header(request, body)
     return await AnthropicServingMessages(request.app.state.chat).create(body, request, headers)
+
+
+@router.post("/messages/count_tokens", openapi_extra=inline_body_doc(AnthropicCountTokensRequest), responses=_ERRORS)
+@anthropic_errors
+async def count_message_tokens(request: Request):
+    """`{"input_tokens"}`: the prompt tokens /v1/messages would run for the same body."""
+    body = await parse_body(request, AnthropicCountTokensRequest)
+    headers = ignored_fields_header(request, body)
+    return await AnthropicServingMessages(request.app.state.chat).count_tokens(body, headers)
