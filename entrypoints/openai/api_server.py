@@ -43,7 +43,7 @@ from fastdeploy_lp.entrypoints.openai.middleware import ApiKeyMiddleware, BodySi
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fastdeploy_lp.entrypoints.openai.protocol_responses import ResponsesRequest
 from fastdeploy_lp.entrypoints.openai.request_body import document_request_models
-from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
+from fastdeploy_lp.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy_lp.entrypoints.openai.routers import ROUTERS
 from fastdeploy_lp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy_lp.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -68,7 +68,7 @@ class ServerSettings:
     shutdown_timeout_s: float
     engine_stall_timeout_s: float | None  # no progress this long while requests wait: /health 503; None: off
     limits: RequestLimits
-    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE  # responses kept for GET and previous_response_id
+    responses_store_size: int  # responses kept for GET and previous_response_id
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -122,7 +122,8 @@ def settings_from_args(args: ServerArgs, model_path: str) -> ServerSettings:
                           strict_fields=args.strict_fields, max_waiting_requests=args.max_waiting_requests,
                           model_aliases={model_path}, max_request_body_bytes=args.max_request_body_bytes,
                           shutdown_timeout_s=args.shutdown_timeout,
-                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits())
+                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits(),
+                          responses_store_size=args.responses_store_size)
 
 
 class GracefulServer(uvicorn.Server):

@@ -19,6 +19,7 @@ from fastdeploy_lp import envs
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import DEFAULT_STALL_TIMEOUT_S
 from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
+from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_STORE_SIZE
 from fastdeploy_lp.model_config import default_model_path
 from fastdeploy_lp.options import (add_arguments, markdown_table, non_negative_float, non_negative_int, option,
                                    port_number, positive_float, positive_int)
@@ -60,6 +61,10 @@ class ServerArgs:
               "Retry-After.", group=LIMITS, parse=non_negative_int, metavar="N")
     max_request_body_bytes: int = option(8 << 20, "Larger request bodies get 413 before they are read.",
                                          group=LIMITS, parse=positive_int, metavar="N")
+    responses_store_size: int = option(
+        DEFAULT_RESPONSES_STORE_SIZE, "Most responses /v1/responses keeps in memory (store: true) for GET and "
+                                      "previous_response_id; past it the least recently used is evicted. 0: none.",
+        group=LIMITS, parse=non_negative_int, metavar="N")
     max_messages: int = option(2048, "Most messages in one chat request; more get a 400 before any templating.",
                                group=LIMITS, parse=positive_int, metavar="N")
     max_n: int = option(16, f"Most choices (n) per request (at most {MAX_N}); more get a 400.", group=LIMITS,

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_RESPONSES_STORE_SIZE = 1000       # responses kept (ServerSettings.responses_store_size)
+DEFAULT_RESPONSES_STORE_SIZE = 1000       # responses kept (--responses-store-size)
 DEFAULT_RESPONSES_STORE_BYTES = 256 << 20  # and at most about this much of them, measured as JSON
 
 

@@ -6,14 +6,16 @@
     generation.py   POST /v1/chat/completions → serving_chat.py, POST /v1/completions → serving_completion.py
     tokenize.py     POST /tokenize, POST /detokenize → serving_tokenize.py
     messages.py     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic) → serving_messages.py
+    responses.py    POST /v1/responses, GET and DELETE /v1/responses/{id} → serving_responses.py
 """
 
 from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router
 from fastdeploy_lp.entrypoints.openai.routers.health import router as health_router
 from fastdeploy_lp.entrypoints.openai.routers.messages import router as messages_router
 from fastdeploy_lp.entrypoints.openai.routers.models import router as models_router
+from fastdeploy_lp.entrypoints.openai.routers.responses import router as responses_router
 from fastdeploy_lp.entrypoints.openai.routers.tokenize import router as tokenize_router
 
-ROUTERS = (health_router, models_router, generation_router, tokenize_router, messages_router)
+ROUTERS = (health_router, models_router, generation_router, tokenize_router, responses_router, messages_router)
 
 __all__ = ["ROUTERS"]
