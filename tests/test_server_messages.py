@@ -29,7 +29,7 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--max-num-seqs", "8", "--served-model-name", MODEL, "--logits-processors",
-                     "LogitBiasLogitsProcessor")
+                     "LogitBiasLogitsProcessor", "server_processors:FailingLogitsProcessor")
     yield s
     s.stop()
 
@@ -196,6 +196,15 @@ def test_errors_have_anthropic_shape_and_name_the_field(http, change, status, ki
     assert r.json()["error"]["message"].startswith(names), r.json()
 
 
+def test_a_failed_generation_is_an_api_error_and_a_streamed_one_ends_with_an_error_event(http):
+    body = {"model": MODEL, "max_tokens": 4, "messages": ASK, "logits_processors_args": {"fail": True}}
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+    assert "asked to fail" in r.json()["error"]["message"]
+    events = events_of(http, body)
+    assert [n for n, _ in events] == ["message_start", "error"] and events[-1][1]["error"]["type"] == "api_error"
+
+
 def test_malformed_json_and_wrong_method_keep_their_shapes(http):
     r = http.post("/v1/messages", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -204,7 +213,8 @@ def test_malformed_json_and_wrong_method_keep_their_shapes(http):
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    s = start_server("--max-num-seqs", "2", "--served-model-name", MODEL, "--api-key", "sk-test")
+    s = start_server("--max-num-seqs", "2", "--served-model-name", MODEL, "--api-key", "sk-test",
+                     "--max-request-body-bytes", "4096")
     yield s
     s.stop()
 
@@ -220,6 +230,9 @@ def test_x_api_key_is_accepted_and_a_wrong_key_is_an_anthropic_401(keyed_server)
     openai_shaped = httpx.get(keyed_server.url("/v1/models"), headers={"x-api-key": "wrong"})
     assert openai_shaped.status_code == 401 and openai_shaped.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(keyed_server.url("/v1/models"), headers={"x-api-key": "sk-test"}).status_code == 200
+    too_large = httpx.post(keyed_server.url("/v1/messages"), headers={"x-api-key": "sk-test"},
+                           json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "a" * 5000}]})
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "request_too_large"
 
 
 def _output(delta: str, text: str, finished: bool, finish: str | None = None) -> RequestOutput:
