@@ -20,7 +20,11 @@ INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
 
 
-_JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties")
+_JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "close_on_length")
+_CLOSABLE = ("json", "json_object")
+# `SamplingParams.extra` key of the set of request ids whose output guided decoding closed at
+# `max_tokens` (close_on_length); present when the requests close on length. Outputs report it.
+CLOSED_ON_LENGTH = "guided_decoding.closed_on_length"
 
 
 @dataclass
@@ -37,6 +41,9 @@ class GuidedDecodingParams:
     # and objects closed to keys their schema does not list (vLLM's disable_additional_properties).
     whitespace_pattern: str | None = None
     disable_additional_properties: bool = False
+    # At max_tokens, end the JSON with the shortest completion found (strings cut, arrays and objects
+    # closed, required keys given short values) instead of cutting it. None: the engine's default.
+    close_on_length: bool | None = None
 
     def __post_init__(self):
         kinds = self.kinds()
@@ -47,6 +54,11 @@ class GuidedDecodingParams:
             raise ValueError("guided_choice: must be a non-empty list of strings")
         check_text(getattr(self, kinds[0]), f"guided_decoding.{kinds[0]}")
         check_text(self.whitespace_pattern, "guided_decoding.whitespace_pattern")
+        if self.close_on_length is not None and not isinstance(self.close_on_length, bool):
+            raise ValueError(f"close_on_length: must be a boolean, got {self.close_on_length!r}")
+        if self.close_on_length and kinds[0] not in _CLOSABLE:
+            raise ValueError(f"close_on_length: only applies to a JSON constraint (json, json_object); this request "
+                             f"sets {kinds[0]}")
 
     def kinds(self) -> list[str]:
         return [f.name for f in fields(self) if f.name not in _JSON_OPTIONS

@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Callable
 
 
-from fastdeploy_lp.sampling_params import SamplingParams
+from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH, SamplingParams
 from fastdeploy_lp.tokenizer import IncrementalDetokenizer
 
 
@@ -62,12 +62,14 @@ class CompletionOutput:
     `token_ids` and `logprobs` are read-only views of everything generated up to this output; `text`
     is joined when read. `delta_text` / `delta_token_ids` are what this output adds. `stop_reason`
     is the stop string that ended the output (vLLM's field; None for EOS, a stop token or a limit),
-    which the Anthropic API reports as `stop_sequence`.
+    which the Anthropic API reports as `stop_sequence`. `closed_on_length` is True when guided
+    decoding's close_on_length ended the output at `max_tokens` with a complete JSON document.
     """
 
     def __init__(self, index: int, text: str | Callable[[], str], token_ids: Sequence[int],
                  finish_reason: str | None, logprobs: Sequence[Logprob] | None = None, error: str | None = None,
-                 delta_text: str = "", delta_token_ids: list[int] | None = None, stop_reason: str | None = None):
+                 delta_text: str = "", delta_token_ids: list[int] | None = None, stop_reason: str | None = None,
+                 closed_on_length: bool = False):
         self.index = index
         self._text = text
         self.token_ids = token_ids
@@ -77,6 +79,7 @@ class CompletionOutput:
         self.delta_text = delta_text
         self.delta_token_ids = delta_token_ids if delta_token_ids is not None else []
         self.stop_reason = stop_reason
+        self.closed_on_length = closed_on_length
 
     @property
     def text(self) -> str:
@@ -160,7 +163,9 @@ class Request:
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             logprobs=PrefixView(self.logprobs) if self.params.logprobs is not None else None,
             error=self.error, delta_text=delta, delta_token_ids=new_ids,
-            stop_reason=detokenizer.stopped_on if detokenize else None)
+            stop_reason=detokenizer.stopped_on if detokenize else None,
+            closed_on_length=self.finish_reason == FinishReason.LENGTH
+            and self.request_id in self.params.extra.get(CLOSED_ON_LENGTH, ()))
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time

@@ -49,6 +49,7 @@ FIELDS = {"json": "guided_json", "json_object": "response_format", "regex": "gui
           "choice": "guided_choice", "grammar": "guided_grammar", "structural_tag": "structural_tag"}
 MAX_CONSTRAINT_CHARS = 1 << 20
 _OPENAI_WRAPPER_KEYS = {"name", "description", "schema", "strict"}
+_DECODING_ONLY = {"close_on_length"}  # options that leave the grammar as it is: one cache entry for both
 
 
 class GuidedDecodingError(ValueError):
@@ -163,7 +164,8 @@ def request_key(gd) -> tuple[str, str, str]:
         except (TypeError, ValueError) as e:
             raise GuidedDecodingError(field, f"must be JSON data: {e}") from None
     _bounded(text, field)
-    options = {f.name: getattr(gd, f.name) for f in dataclasses.fields(gd) if f.name not in FIELDS}
+    options = {f.name: getattr(gd, f.name) for f in dataclasses.fields(gd) if f.name not in FIELDS
+               and f.name not in _DECODING_ONLY}
     ws = options.get("whitespace_pattern")
     if isinstance(ws, str):
         _bounded(ws, "guided_whitespace_pattern")

@@ -45,12 +45,14 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker
-from fastdeploy_lp.processors.guided.bitmask import mask_logits
+from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
+from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, LengthCloser
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
 from fastdeploy_lp.processors.guided.grammar_text import clean_error
 from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
 from fastdeploy_lp.reasoning import ReasoningState, get_reasoning_parser
+from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
 from fastdeploy_lp.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -104,12 +106,21 @@ class _ReasoningGate:
 class _SlotMatcher:
     """One request's matcher and how far through the request's output it is."""
 
-    def __init__(self, matcher: llg.LLMatcher, output_ids: list[int], gate: _ReasoningGate | None = None):
+    def __init__(self, matcher: llg.LLMatcher, output_ids: list[int], gate: _ReasoningGate | None = None,
+                 closer: LengthCloser | None = None, params=None, req_id: str | None = None):
         self.matcher = matcher
         self.output_ids = output_ids  # the request's live list
         self.gate = gate
+        self.closer = closer  # close_on_length: the request's reserve and closing
+        self.params = params
+        self.req_id = req_id
         self.consumed = 0  # output tokens accounted for
         self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
+
+    @property
+    def budget(self) -> int:
+        """Tokens the request may still generate after those the matcher has consumed."""
+        return self.params.max_tokens - len(self.output_ids) - len(self.ahead)
 
     @property
     def answering(self) -> bool:
@@ -141,9 +152,13 @@ class _SlotMatcher:
                 continue
             if self.ahead:  # the output went another way: forget what we had assumed
                 self.matcher.rollback(len(self.ahead))
+                if self.closer is not None:
+                    self.closer.rolled_back(len(self.ahead))
                 self.ahead.clear()
             if not self.matcher.consume_token(token):
                 return f"guided decoding: generated token does not fit the constraint: {self.error()}"
+            if self.closer is not None:
+                self.closer.consumed([token])
         return None
 
     def publish_forced(self, forced: list[int]) -> str | None:
@@ -156,10 +171,17 @@ class _SlotMatcher:
             return None
         if self.ahead or forced or self.matcher.is_stopped():  # tokens queued ahead of the output: wait
             return None
-        tokens = self.matcher.compute_ff_tokens()
+        tokens = self.closer.closing_due(self.matcher, self.budget) if self.closer is not None else None
+        if tokens:  # the budget left is the closing's length: it is the rest of the output
+            if len(tokens) <= self.budget:
+                self.params.extra[CLOSED_ON_LENGTH].add(self.req_id)
+        else:
+            tokens = self.matcher.compute_ff_tokens()
         if tokens:
             if not self.matcher.consume_tokens(tokens):
                 return f"guided decoding: the grammar engine failed on the forced tokens: {self.error()}"
+            if self.closer is not None:
+                self.closer.consumed(tokens)
             self.ahead.extend(tokens)
             forced.extend(tokens)
         return None
@@ -174,6 +196,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     def __init__(self, fd_config):
         super().__init__(fd_config)
         self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
+        self.close_on_length = bool(getattr(fd_config, "guided_close_on_length", False))
+        self._closing_search: ClosingSearch | None = None  # built at the first request that closes on length
         tokenizer = fd_config.tokenizer
         if tokenizer is None:
             tokenizer = Tokenizer(fd_config.model_config.model)
@@ -198,12 +222,23 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._row_slots: list[int] = []  # ... and their slots
         self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
         self._row_extra: list[tuple[int, int]] = []  # (bitmask row, token) also allowed: a reasoning start
+        self._zone: list[tuple[int, _SlotMatcher]] = []  # (bitmask row, slot) near its closing reserve
 
     # -- admission ------------------------------------------------------------------------------
     def validate_request(self, params) -> None:
         """Compile the request's constraint (cached); a bad one raises ValueError naming the field."""
         if params.guided_decoding is not None:
             params.extra[COMPILED] = self.compiler.compile(self._with_server_defaults(params.guided_decoding))
+            if self._closes_on_length(params.guided_decoding):
+                # The requests (ids) whose output was closed: the engine reports it (`closed_on_length`).
+                # Made here, on the request's own params; the copies processors get share this set.
+                params.extra.setdefault(CLOSED_ON_LENGTH, set())
+
+    def _closes_on_length(self, gd) -> bool:
+        """The request's close_on_length, else the server's default for JSON constraints."""
+        if gd.close_on_length is not None:
+            return gd.close_on_length
+        return self.close_on_length and set(gd.kinds()) <= {"json", "json_object"}
 
     def _with_server_defaults(self, gd):
         """The server's JSON whitespace rule (`--guided-whitespace-pattern`) where the request sets none."""
@@ -242,6 +277,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                 self._slots[slot] = None
             elif state.gate is None or state.gate.state != ReasoningState.REASONING:  # thinking: no mask
                 self._add_row(row, slot, state)
+                if state.closer is not None and not state.ahead and state.closer.in_zone(state.budget):
+                    self._zone.append((len(self._rows) - 1, state))
         if failures:
             self._clear_rows()
             raise RequestFailures(failures)
@@ -258,7 +295,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._row_matchers.append(state.matcher)
 
     def _clear_rows(self) -> None:
-        self._rows, self._row_slots, self._row_matchers, self._row_extra = [], [], [], []
+        self._rows, self._row_slots, self._row_matchers, self._row_extra, self._zone = [], [], [], [], []
 
     def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
         if not self._rows:
@@ -272,6 +309,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         failures = self._dead_rows(bits)
         # In place, on the logits' device: the packed bits are expanded there (numpy unpacks on CPU).
         masked = mask_logits(logits, bits, None if rows == logits.shape[0] else self._rows)
+        if self._zone:
+            self._keep_tokens_that_can_close(masked)
         if failures:  # every row is masked in place, then only the dead requests fail (they are not sampled)
             raise RequestFailures(failures)
         return masked
@@ -288,6 +327,21 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                     failures[self._row_slots[j]] = f"guided decoding: the grammar engine failed: {problem}"
         return failures
 
+    def _keep_tokens_that_can_close(self, logits: paddle.Tensor) -> None:
+        """Rows in their closing zone (`closing.py`) keep only those of their `TOP_K` allowed tokens
+        after which the closing still fits the budget, and their closing's first token."""
+        rows = [self._rows[j] for j, _ in self._zone]
+        index = paddle.to_tensor(np.asarray(rows, dtype=np.int64), place=logits.place)
+        values, ids = paddle.topk(paddle.index_select(logits, index), min(TOP_K, logits.shape[-1]))
+        values, ids = values.numpy(), ids.numpy()
+        keep = np.zeros((len(rows), words_for(logits.shape[-1])), dtype=np.uint32)
+        eos = set(self.eos_token_ids)
+        for i, (_, state) in enumerate(self._zone):
+            candidates = [int(t) for t, v in zip(ids[i], values[i]) if np.isfinite(v)]
+            safe = np.asarray(state.closer.safe_tokens(state.matcher, candidates, state.budget, eos), dtype=np.int64)
+            np.bitwise_or.at(keep[i], safe >> 5, np.left_shift(np.uint32(1), (safe & 31).astype(np.uint32)))
+        mask_logits(logits, keep.view(np.int32), rows)
+
     # -- helpers --------------------------------------------------------------------------------
     def _new_matcher(self, request: AddedRequest, share_inputs: ShareInputs) -> _SlotMatcher | None:
         """A matcher for a request that joined, if it is constrained."""
@@ -299,7 +353,16 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             compiled = params.extra[COMPILED] = self.compiler.compile(
                 self._with_server_defaults(params.guided_decoding))
         return _SlotMatcher(compiled.new_matcher(), share_inputs["output_ids"][request.slot],
-                            self._reasoning_gate(share_inputs, request.slot))
+                            self._reasoning_gate(share_inputs, request.slot), self._length_closer(params), params,
+                            request.req_id)
+
+    def _length_closer(self, params) -> LengthCloser | None:
+        """A closer if the request closes on length (decided in `validate_request`)."""
+        if CLOSED_ON_LENGTH not in params.extra or params.max_tokens is None:
+            return None
+        if self._closing_search is None:
+            self._closing_search = ClosingSearch(self.compiler.lltokenizer, self.tokenizer.token_bytes)
+        return LengthCloser(self._closing_search)
 
     def _reasoning_gate(self, share_inputs: dict, slot: int) -> _ReasoningGate | None:
         """With a reasoning parser: where this request's output starts, read from its prompt's end."""
