@@ -186,6 +186,8 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
      "tool_choice"),
     ({"stop_sequences": "END"}, 400, "invalid_request_error", "stop_sequences"),
     ({"mcp_servers": [{"url": "x"}]}, 400, "invalid_request_error", "mcp_servers"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "invalid_request_error",
+     "output_config.format"),
 ])
 def test_errors_have_anthropic_shape_and_name_the_field(http, change, status, kind, names):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **change}

@@ -173,6 +173,9 @@ class AnthropicMessagesRequest(BaseModel):
     service_tier: str | None = Field(None, description="Accepted; there is one tier.")
     mcp_servers: list[Any] | None = Field(None, description="Not supported (400 when set).")
     container: Any = Field(None, description="Not supported (400 when set).")
+    output_config: dict[str, Any] | None = Field(None, description="Its `format` (structured output) is not "
+                                                                   "supported (400); `effort` is accepted.")
+    output_format: dict[str, Any] | None = Field(None, description="Not supported (400 when set).")
     # this server's extensions, as on /v1/chat/completions
     logits_processors_args: dict[str, Any] | None = Field(
         None, description="Per-request arguments of the registered logits processors; see GET /v1/logits_processors.")
@@ -183,6 +186,10 @@ class AnthropicMessagesRequest(BaseModel):
         for name in ("mcp_servers", "container"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by this server")
+        if self.output_format is not None or (self.output_config or {}).get("format") is not None:
+            field = "output_format" if self.output_format is not None else "output_config.format"
+            raise ValueError(f"{field}: structured output is not supported on /v1/messages; use "
+                             "/v1/chat/completions with response_format")
         if isinstance(self.system, list) and any(b.type != "text" for b in self.system):
             raise ValueError("system: only text blocks")
         if self.messages[-1].role == "assistant":
