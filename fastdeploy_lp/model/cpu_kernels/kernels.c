@@ -15,6 +15,7 @@
 #endif
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -141,20 +142,45 @@ static inline vec load_w_tail_i8(const int8_t *p, int64_t n) {
     return load_w_i8(b);
 }
 
+/* bfloat16's split widening (`split_vector_times` in linear.h): lane i of the integer vector holds
+ * weight 2i in its low half and 2i + 1 in its high half; each is a float once in the high half. */
+static inline void split_bf16(ivec w, vec out[2]) {
+    out[0] = (vec)(w << 16);
+    out[1] = (vec)(w & (int32_t)0xFFFF0000u);
+}
+
+/* x[0, k_len) with each chunk of split * LANES floats reordered to match a split widening: chunk
+ * position s * LANES + i holds x[i * split + s]; the rest (k_len % chunk) is left out. Freed by
+ * the caller. */
+static float *permute_x(const float *x, int64_t k_len, int split) {
+    float *xs = malloc((size_t)k_len * sizeof(float) + 64);
+    if (!xs) abort(); /* a few KB: out of memory here is out of memory everywhere */
+    int64_t chunk = (int64_t)split * LANES, k_split = k_len - k_len % chunk;
+    for (int64_t c = 0; c < k_split; c += chunk)
+        for (int s = 0; s < split; s++)
+            for (int i = 0; i < LANES; i++) xs[c + s * LANES + i] = x[c + i * split + s];
+    return xs;
+}
+
 #define WEIGHT float
 #define FORMAT f32
+#define GEMV_AHEAD 0
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT uint16_t
 #define FORMAT bf16
+#define GEMV_AHEAD 1024
+#define SPLIT 2
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT _Float16
 #define FORMAT f16
+#define GEMV_AHEAD 1024
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT int8_t
 #define FORMAT i8
+#define GEMV_AHEAD 1024
 #include "linear.h"
 
 /* Sum of n floats read by every thread: the machine's read bandwidth, measured by the benchmarks

@@ -1,6 +1,7 @@
 /* The linear kernel for one weight format, included by kernels.c once per format with WEIGHT (the
- * stored element type) and FORMAT (the suffix of `load_w_FORMAT` and of the exported
- * `fdlp_linear_FORMAT`) defined. Weights are widened to float32 vectors as they are loaded; the
+ * stored element type), FORMAT (the suffix of `load_w_FORMAT` and of the exported
+ * `fdlp_linear_FORMAT`) and GEMV_AHEAD (the GEMV's prefetch distance) defined, and SPLIT where
+ * the format has a `split_FORMAT`. Weights are widened to float32 vectors as they are loaded; the
  * prefetch distance is in bytes, so every format keeps as many reads in flight. */
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
@@ -49,11 +50,15 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
 }
 
 /* y[n] = x . w[n] for one row of x (a GEMV) and weight rows [n0, n1): two weight rows at a time
- * with four accumulators each (eight registers at every width), so more loads are in flight, and
- * no prefetch: 256 to 4096 bytes ahead slowed it on AVX-512 and AVX2 alike. Over the bench model's
- * weights on an AVX-512 Xeon: 90% of the measured read bandwidth, as fast as MKL's GEMV. */
+ * with four accumulators each (eight registers at every width), so more loads are in flight.
+ * Prefetching GEMV_AHEAD bytes ahead (0: not at all) is per format: float32 needs none (256 to
+ * 4096 bytes ahead slowed it, AVX-512 and AVX2 alike; 90% of the measured read bandwidth over the
+ * bench model's weights, as fast as MKL's GEMV), while the narrow formats spend long enough
+ * widening each line that without it the reads no longer overlap the arithmetic (int8: 13 -> 18
+ * GB/s with 1 KB ahead, AVX-512 Xeon, 2 cores). */
 static void NAME(vector_times)(const float *x, const WEIGHT *w, const float *scale, float *y, int64_t k_len,
                                int64_t n0, int64_t n1) {
+    enum { LINE = 64 / sizeof(WEIGHT), LINES = (4 * LANES * sizeof(WEIGHT) + 63) / 64 };
     int64_t k_quad = k_len - k_len % (4 * LANES), k_full = k_len - k_len % LANES, tail = k_len - k_full;
     for (int64_t n = n0; n < n1; n += 2) {
         int two = n + 1 < n1;
@@ -61,6 +66,10 @@ static void NAME(vector_times)(const float *x, const WEIGHT *w, const float *sca
         vec a0[4] = {{0}}, a1[4] = {{0}};
         int64_t k = 0;
         for (; k < k_quad; k += 4 * LANES) {
+            for (int l = 0; GEMV_AHEAD && l < LINES; l++) { /* each 64-byte line this step reads */
+                __builtin_prefetch(w0 + k + l * LINE + GEMV_AHEAD / sizeof(WEIGHT));
+                __builtin_prefetch(w1 + k + l * LINE + GEMV_AHEAD / sizeof(WEIGHT));
+            }
             for (int u = 0; u < 4; u++) {
                 vec xv = load(x + k + u * LANES);
                 a0[u] += NAME(load_w)(w0 + k + u * LANES) * xv;
@@ -82,14 +91,68 @@ static void NAME(vector_times)(const float *x, const WEIGHT *w, const float *sca
     }
 }
 
+#ifdef SPLIT
+/* vector_times for a format whose widening is a bit shift (bfloat16): one integer vector holds
+ * SPLIT * LANES weights, lane i the weights i * SPLIT + s for s < SPLIT, and `split_FORMAT` makes
+ * SPLIT float vectors of it with shifts and masks, where the widening load spends a shuffle (one
+ * port on x86) per vector. `xs` is x permuted to match (`permute_x`), so each product is one FMA.
+ * bfloat16 over the bench model's weights: 17 -> 21 GB/s with the prefetch (AVX-512 Xeon, 2 cores). */
+static void NAME(split_vector_times)(const float *x, const float *xs, const WEIGHT *w, const float *scale, float *y,
+                                     int64_t k_len, int64_t n0, int64_t n1) {
+    enum { CHUNK = SPLIT * LANES, UNROLL = 4 / SPLIT, LINES = (CHUNK * sizeof(WEIGHT) + 63) / 64 };
+    int64_t k_split = k_len - k_len % CHUNK, k_full = k_len - k_len % LANES, tail = k_len - k_full;
+    for (int64_t n = n0; n < n1; n += 2) {
+        int two = n + 1 < n1;
+        const WEIGHT *w0 = w + n * k_len, *w1 = w + (n + two) * k_len;
+        vec a0[UNROLL * SPLIT] = {{0}}, a1[UNROLL * SPLIT] = {{0}};
+        int64_t k = 0;
+        for (int u = 0; k < k_split; k += CHUNK, u = (u + 1) % UNROLL) {
+            for (int l = 0; l < LINES; l++) {
+                __builtin_prefetch(w0 + k + l * 64 / sizeof(WEIGHT) + GEMV_AHEAD / sizeof(WEIGHT));
+                __builtin_prefetch(w1 + k + l * 64 / sizeof(WEIGHT) + GEMV_AHEAD / sizeof(WEIGHT));
+            }
+            vec p0[SPLIT], p1[SPLIT];
+            NAME(split)(*(const ivec *)(w0 + k), p0);
+            NAME(split)(*(const ivec *)(w1 + k), p1);
+            for (int s = 0; s < SPLIT; s++) {
+                vec xv = load(xs + k + s * LANES);
+                a0[u * SPLIT + s] += p0[s] * xv;
+                a1[u * SPLIT + s] += p1[s] * xv;
+            }
+        }
+        for (; k < k_full; k += LANES) { /* the rest against x in its own order */
+            vec xv = load(x + k);
+            a0[0] += NAME(load_w)(w0 + k) * xv;
+            a1[0] += NAME(load_w)(w1 + k) * xv;
+        }
+        if (tail) {
+            vec xv = load_tail(x + k_full, tail);
+            a0[0] += NAME(load_w_tail)(w0 + k_full, tail) * xv;
+            a1[0] += NAME(load_w_tail)(w1 + k_full, tail) * xv;
+        }
+        vec s0 = a0[0], s1 = a1[0];
+        for (int i = 1; i < UNROLL * SPLIT; i++) s0 += a0[i], s1 += a1[i];
+        y[n] = lane_sum(s0) * (scale ? scale[n] : 1.f);
+        if (two) y[n + 1] = lane_sum(s1) * (scale ? scale[n + 1] : 1.f);
+    }
+}
+#endif
+
 /* y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when bias is not NULL). */
 void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                        int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
     const int64_t block = 48; /* weight rows per task: they stay in L2 across x's row tiles */
+#ifdef SPLIT
+    float *xs = m_len == 1 ? permute_x(x, k_len, SPLIT) : NULL;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n0 = 0; n0 < n_len; n0 += block) {
         int64_t n1 = n0 + block < n_len ? n0 + block : n_len;
+#ifdef SPLIT
+        if (m_len == 1) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
+#else
         if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
+#endif
         for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += X_ROWS) {
             const float *xm = x + m0 * k_len;
             float *ym = y + m0 * n_len;
@@ -110,6 +173,9 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
             for (int64_t m = 0; m < m_len; m++)
                 for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
     }
+#ifdef SPLIT
+    free(xs);
+#endif
 }
 
 
@@ -161,3 +227,5 @@ void NAME(fdlp_quantize)(const WEIGHT *w, int8_t *q, float *scale, int64_t n_len
 #undef WEIGHT
 #undef FORMAT
 #undef QUANTIZE
+#undef SPLIT
+#undef GEMV_AHEAD
