@@ -83,8 +83,9 @@ def weight_bytes_per_token(llm: LLM) -> int:
     embedding only when it is the LM head: a lookup reads one row)."""
     model = llm.engine.runner.model
     total = sum(p.size * p.element_size() for p in model.layers.parameters()) + model.norm.weight.size * 4
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head
-    return total + head.size * head.element_size()
+    head = [model.embed_tokens.weight, model.embed_tokens.weight_scale] if model.lm_head is None else \
+        [model.lm_head, model.lm_head_scale]
+    return total + sum(p.size * p.element_size() for p in head if p is not None)
 
 
 PREFILL_SEQS = 8  # sequences of the prefill-efficiency pass

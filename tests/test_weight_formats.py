@@ -89,6 +89,7 @@ def test_wint8_perplexity_on_held_out_text_within_two_percent_of_float32():
     full = _heldout_perplexity(_model(default_model_path()), tokenizer, texts)
     quantized = _model(default_model_path(), quantization="wint8")
     assert quantized.layers[0].mlp.down_weight.dtype == paddle.int8
+    assert quantized.embed_tokens.weight.dtype == paddle.int8  # the tied LM head too
     assert _heldout_perplexity(quantized, tokenizer, texts) / full - 1 <= 0.02
 
 
@@ -104,11 +105,13 @@ def test_wint8_greedy_decode_mostly_agrees_with_float32_and_reports_itself():
 
 def test_a_wint8_model_saves_the_values_its_int8_weights_stand_for(tmp_path):
     model = _model(os.path.join(FIXTURES, "llama"), quantization="wint8")
+    assert model.lm_head.dtype == paddle.int8  # the llama fixture's head is untied
     save_pretrained(model, str(tmp_path))
-    saved = load_file(tmp_path / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
-    original = load_file(os.path.join(FIXTURES, "llama", "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
-    scale = np.abs(original).max(axis=1, keepdims=True) / 127
-    assert np.all(np.abs(saved - original) <= scale / 2 + 1e-7)
+    saved = load_file(tmp_path / "model.safetensors")
+    original = load_file(os.path.join(FIXTURES, "llama", "model.safetensors"))
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        scale = np.abs(original[name]).max(axis=1, keepdims=True) / 127
+        assert np.all(np.abs(saved[name] - original[name]) <= scale / 2 + 1e-7), name
 
 
 @pytest.mark.parametrize("value,error", [("wint4", "int4 is not implemented"), ("fp8", "unsupported value")])

@@ -8,11 +8,12 @@ implement them, so one `DecoderForCausalLM` covers them all.
 from __future__ import annotations
 
 import paddle
+import paddle.nn.functional as F
 from paddle import nn
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear
+from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear, linear_weight
 
 
 class DecoderLayer(nn.Layer):
@@ -26,6 +27,23 @@ class DecoderLayer(nn.Layer):
     def forward(self, x, batch, rotary, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TokenEmbedding(nn.Layer):
+    """The token embedding `[vocab, hidden]`, held like a linear weight (`linear_weight`): in the
+    checkpoint's dtype, or int8 with a float32 scale per row under `wint8`, where a lookup widens
+    only the rows it reads. As the tied LM head, the int8 rows are read by the same kernels as every
+    linear layer: the bench model's head is 28% of the bytes a decode step reads."""
+
+    def __init__(self, vocab: int, config: ModelConfig):
+        super().__init__()
+        self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config)
+
+    def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        x = F.embedding(input_ids, self.weight)
+        if self.weight_scale is None:
+            return x
+        return x.astype("float32") * F.embedding(input_ids, self.weight_scale.unsqueeze(-1))
 
 
 class DecoderForCausalLM(nn.Layer):
@@ -46,21 +64,12 @@ class DecoderForCausalLM(nn.Layer):
         self.shard = shard
         self.vocab_range = (0, config.vocab_size) if shard is None else shard.part(config.vocab_size)
         vocab = self.vocab_range[1] - self.vocab_range[0]
-        # The embedding and the LM head are held like the linear weights, but never as int8: a
-        # lookup then costs nothing to widen, and the head keeps the checkpoint's precision.
-        zeros = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
-        compute_dtype = paddle.get_default_dtype()
-        paddle.set_default_dtype(config.weight_dtype)
-        try:
-            self.embed_tokens = nn.Embedding(vocab, config.hidden_size, weight_attr=zeros)
-        finally:
-            paddle.set_default_dtype(compute_dtype)
+        self.embed_tokens = TokenEmbedding(vocab, config)
         self.layers = nn.LayerList([DecoderLayer(config, shard) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.lm_head = (None if config.tie_word_embeddings  # [vocab, hidden], like the embedding
-                        else self.create_parameter([vocab, config.hidden_size], dtype=config.weight_dtype,
-                                                   default_initializer=nn.initializer.Constant(0.0)))
+        self.lm_head, self.lm_head_scale = (  # [vocab, hidden], like the embedding
+            (None, None) if config.tie_word_embeddings else linear_weight(self, [vocab, config.hidden_size], config))
 
     def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         """Token embeddings; sharded, each rank looks up the ids in its rows (zeros for the others)
@@ -83,8 +92,9 @@ class DecoderForCausalLM(nn.Layer):
         return self.norm(x)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        out = linear(hidden, weight)  # CPU: the decode kernels, or MKL streaming the wide [vocab, hidden] matrix
+        weight, scale = ((self.embed_tokens.weight, self.embed_tokens.weight_scale) if self.lm_head is None
+                         else (self.lm_head, self.lm_head_scale))
+        out = linear(hidden, weight, scale=scale)  # CPU: the decode kernels, or MKL streaming the wide [vocab, hidden] matrix
         out = out if out.is_contiguous() else out.contiguous()
         if self.shard is not None:  # each rank scored its rows of the vocabulary
             out = self.shard.all_gather(out, axis=-1)

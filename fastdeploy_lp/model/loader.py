@@ -263,7 +263,7 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
         params[name].set_value(value.astype(params[name].dtype))
         del value
     logger.info("weights: %s%s, %.2f GB held", config.weight_dtype,
-                f", linear layers {config.quantization}" if config.quantization else "", weight_bytes(model) / 1e9)
+                f", {config.quantization} (linear layers, embedding, LM head)" if config.quantization else "", weight_bytes(model) / 1e9)
     return model
 
 
@@ -321,10 +321,10 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
         raise ValueError("model: a tensor-parallel shard holds part of the weights; save an unsharded model")
     cfg = model.config
     params = model.state_dict()
-    state = {k: v.astype("float32").numpy() for k, v in params.items() if not k.endswith("_weight_scale")}
-    for name, scale in params.items():  # int8 weights back to the values they stand for
-        if name.endswith("_weight_scale"):
-            state[name.removesuffix("_scale")] *= scale.numpy()[:, None]
+    scales = {name: scale for name, scale in params.items() if name.removesuffix("_scale") in params.keys() - {name}}
+    state = {k: v.astype("float32").numpy() for k, v in params.items() if k not in scales}
+    for name, scale in scales.items():  # int8 weights back to the values they stand for
+        state[name.removesuffix("_scale")] *= scale.numpy()[:, None]
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):
