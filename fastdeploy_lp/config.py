@@ -134,8 +134,8 @@ class EngineArgs:
                                 "in it; CPUs keep the weights in it (2 bytes each for 16-bit) and compute in "
                                 "float32.", group=MODEL)
     quantization: str | None = option(
-        None, "wint8: linear weights int8 per output channel, quantized at load (CPU); the embedding and LM head "
-              "stay in dtype. none: as dtype says.", group=MODEL, choices=("wint8", "none"))
+        None, "wint8: linear weights, the embedding and the LM head in int8 per output channel, quantized at "
+              "load (CPU). none: as dtype says.", group=MODEL, choices=("wint8", "none"))
     tensor_parallel_size: int = option(
         1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
            "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
