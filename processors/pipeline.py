@@ -12,10 +12,9 @@ counts. `update_state` hands the engine what a round of processors produced as o
 of its tokens are used.
 
 Request-level `SamplingParams.logit_bias` and `bad_words` run through the same built-in processors
-as `logits_processors_args`, in a second stage the engine applies after the penalties (where the
-sampler order puts them), whether or not the operator registered those processors by name. That
-stage sees `share_inputs` with each slot's args read from its `SamplingParams`, so the built-ins
-need no second code path. Where both stages sit among the others: `engine/stages.py`.
+as `logits_processors_args`, in a second stage of their own, whether or not the operator registered
+those processors by name. That stage sees `share_inputs` with each slot's args read from its `SamplingParams`, so the built-ins
+need no second code path. Where both stages run among the others: `engine/stages.py`.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _raised(error: BaseException) -> bool:
 class LogitsProcessorPipeline:
     """The registered processors (after the `leading` ones the engine installs: guided decoding),
     and the built-ins that apply `SamplingParams.logit_bias` and `bad_words` (`sampling_stage`,
-    run by the engine after the penalties: `apply_sampling_params`)."""
+    `apply_sampling_params`; where each runs: `engine/stages.py`)."""
 
     def __init__(self, fd_config, names: list[str], leading: list[LogitsProcessor] | None = None):
         self.fd_config = fd_config
@@ -170,8 +169,8 @@ class LogitsProcessorPipeline:
 
     def apply_sampling_params(self, logits: paddle.Tensor, share_inputs: ShareInputs,
                               all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
-        """Apply `SamplingParams.logit_bias`, then `bad_words`, through the built-in processors (the
-        engine calls this after the penalties); return the logits and {slot: error} failures."""
+        """Apply `SamplingParams.logit_bias`, then `bad_words`, through the built-in processors;
+        return the logits and {slot: error} failures."""
         failures: dict[int, str] = {}
         return self.sampling_stage.apply(logits, self._sampling_view(share_inputs), all_greedy, failures), failures
 

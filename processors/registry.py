@@ -21,7 +21,7 @@ BUILTIN_PROCESSORS: dict[str, str] = {
 }
 
 # `SamplingParams` fields that are applied by a built-in processor (the one named), in this order,
-# after the penalties; the request's value reads as that processor's key of the same name.
+# in a stage of their own (engine/stages.py); the request's value reads as that processor's key of the same name.
 SAMPLING_PARAMS_PROCESSORS: dict[str, str] = {
     "logit_bias": "LogitBiasLogitsProcessor",
     "bad_words": "BadWordsLogitsProcessor",
