@@ -91,6 +91,7 @@ class FDConfig:
     cpu_threads: int | None
     logits_processor_timeout_s: float | None  # None: no limit
     guided_whitespace_pattern: str | None
+    guided_close_on_length: bool
     reasoning_parser: str | None
     tensor_parallel_size: int
     # Runtime objects, set by the engine builder; not options (they are no part of `EngineArgs`).
@@ -161,6 +162,10 @@ class EngineArgs:
         None, "Whitespace allowed between JSON tokens in constrained output when a request sets none: a regex, or "
               "'' for none. Default: json.dumps' layout ({\"a\": 1, \"b\": 2}), which cannot run on as newlines.",
         group=DECODING, metavar="REGEX")
+    guided_close_on_length: bool = option(
+        False, "Close JSON-constrained output (response_format json_schema / json_object, guided_json, tools "
+               "excluded) that reaches max_tokens with a short valid completion, for requests that do not set "
+               "structured_outputs.close_on_length. Off: OpenAI's behaviour (the output is cut).", group=DECODING)
     reasoning_parser: str | None = option(
         None, "For reasoning models (qwen3, deepseek_r1): return the <think> part as reasoning_content, apart from "
               "content, and apply output constraints (JSON, tools) from the end of the reasoning.",
@@ -222,6 +227,7 @@ class EngineArgs:
                         guided_decoding_backend=self.guided_decoding_backend, fast_forward=self.fast_forward,
                         cpu_threads=self.cpu_threads, logits_processor_timeout_s=timeout or None,
                         guided_whitespace_pattern=self.guided_whitespace_pattern,
+                        guided_close_on_length=self.guided_close_on_length,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size)
 
 

@@ -140,6 +140,10 @@ class StructuredOutputs(BaseModel):
     disable_additional_properties: bool | None = Field(
         None, description="Objects without `additionalProperties` get `false` (no extra keys).")
     disable_fallback: bool | None = Field(None, description="Accepted: there is no fallback backend to disable.")
+    close_on_length: bool | None = Field(
+        None, description="At max_tokens, close the JSON (any JSON constraint of the request, response_format "
+                          "included) with a short valid completion: finish_reason stays 'length' and the choice "
+                          "says closed_on_length. Default: the server's --guided-close-on-length.")
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -248,6 +252,11 @@ class _SamplingRequest(BaseModel):
             if guided is None or guided.kinds() != ["json"]:
                 raise ValueError("structured_outputs.disable_additional_properties: only applies to a JSON schema")
             guided.disable_additional_properties = True
+        if so is not None and so.close_on_length is not None:
+            if guided is None or not set(guided.kinds()) <= {"json", "json_object"}:
+                raise ValueError("structured_outputs.close_on_length: only applies together with a JSON constraint "
+                                 "(response_format json_schema or json_object, guided_json, structured_outputs.json)")
+            guided.close_on_length = so.close_on_length
         return guided
 
     def _constraint_sources(self) -> list[tuple[str, dict[str, Any]]]:
@@ -505,6 +514,8 @@ class ChatCompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "error", "abort"] | None = None
     error: ChoiceError | None = Field(None, description="Set when finish_reason is 'error'.")
+    closed_on_length: bool | None = Field(None, description="True when structured_outputs.close_on_length closed "
+                                                            "the JSON at max_tokens (finish_reason 'length').")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -522,6 +533,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length", "error", "abort"] | None = None
     error: ChoiceError | None = None
+    closed_on_length: bool | None = Field(None, description="As in chat completions.")
 
 
 class CompletionResponse(BaseModel):

@@ -142,6 +142,8 @@ class OpenAIServingChat(OpenAIServing):
                       "finish_reason": finish}
             if (err := choice_error(o)) is not None:
                 choice["error"] = err
+            if o.closed_on_length:  # structured_outputs.close_on_length closed the JSON at max_tokens
+                choice["closed_on_length"] = True
             choices.append(choice)
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -183,10 +185,12 @@ class _ChatChunks:
         self.sent_logprobs = [0] * n
         self.prompt_tokens, self.completion = 0, [0] * n
 
-    def chunk(self, index, delta, finish_reason=None, logprobs=None, error=None) -> str:
+    def chunk(self, index, delta, finish_reason=None, logprobs=None, error=None, closed_on_length=False) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if error is not None:
             choice["error"] = error
+        if closed_on_length:
+            choice["closed_on_length"] = True
         data = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": [choice]}
         if self.include_usage:
@@ -240,7 +244,8 @@ class _ChatChunks:
             finish = o.finish_reason
             if self.parsers is not None and finish == "stop" and self.parsers[i].all_calls_complete:
                 finish = "tool_calls"
-            chunks.append(self.chunk(i, {}, finish_reason=finish, logprobs=self.new_logprobs(o), error=choice_error(o)))
+            chunks.append(self.chunk(i, {}, finish_reason=finish, logprobs=self.new_logprobs(o), error=choice_error(o),
+                                     closed_on_length=o.closed_on_length))
         return chunks
 
     def new_logprobs(self, o):

@@ -80,6 +80,8 @@ class OpenAIServingCompletion(OpenAIServing):
                           "finish_reason": o.finish_reason}
                 if (err := choice_error(o)) is not None:
                     choice["error"] = err
+                if o.closed_on_length:  # structured_outputs.close_on_length closed the JSON at max_tokens
+                    choice["closed_on_length"] = True
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -89,10 +91,12 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         model = self.model_name
 
-        def chunk(index, text, finish_reason=None, lps=None, error=None):
+        def chunk(index, text, finish_reason=None, lps=None, error=None, closed_on_length=False):
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
             if error is not None:
                 choice["error"] = error
+            if closed_on_length:
+                choice["closed_on_length"] = True
             data = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                     "choices": [choice]}
             if include_usage:
@@ -123,7 +127,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if o.delta_text or (lps and lps["tokens"]):
                     yield chunk(k * n + i, o.delta_text, lps=lps)
                 if out.finished and o.finish_reason != "abort":
-                    yield chunk(k * n + i, "", finish_reason=o.finish_reason, error=choice_error(o))
+                    yield chunk(k * n + i, "", finish_reason=o.finish_reason, error=choice_error(o),
+                                closed_on_length=o.closed_on_length)
         except Exception as e:  # the engine stopped under us: tell the client, then end the stream
             yield engine_error_event(e)
             yield SSE_DONE

@@ -46,7 +46,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker
 from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
-from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, LengthCloser
+from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, JsonSyntax, LengthCloser
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
 from fastdeploy_lp.processors.guided.grammar_text import clean_error
@@ -197,7 +197,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         super().__init__(fd_config)
         self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
         self.close_on_length = bool(getattr(fd_config, "guided_close_on_length", False))
-        self._closing_search: ClosingSearch | None = None  # built at the first request that closes on length
+        self._closing_search: ClosingSearch | None = None
         tokenizer = fd_config.tokenizer
         if tokenizer is None:
             tokenizer = Tokenizer(fd_config.model_config.model)
@@ -230,9 +230,23 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if params.guided_decoding is not None:
             params.extra[COMPILED] = self.compiler.compile(self._with_server_defaults(params.guided_decoding))
             if self._closes_on_length(params.guided_decoding):
+                self._check_room_to_close(params)
                 # The requests (ids) whose output was closed: the engine reports it (`closed_on_length`).
                 # Made here, on the request's own params; the copies processors get share this set.
                 params.extra.setdefault(CLOSED_ON_LENGTH, set())
+
+    def _check_room_to_close(self, params) -> None:
+        """A budget smaller than the shortest document the constraint allows could never be closed."""
+        closing = self._search().closing(params.extra[COMPILED].new_matcher(), JsonSyntax())
+        if closing is None or (params.max_tokens is not None and len(closing) > params.max_tokens):
+            need = "more than 256" if closing is None else str(len(closing))
+            raise ValueError(f"max_tokens: close_on_length needs room for the shortest output this JSON constraint "
+                             f"allows ({need} tokens); max_tokens is {params.max_tokens}")
+
+    def _search(self) -> ClosingSearch:
+        if self._closing_search is None:  # built at the first request that closes on length
+            self._closing_search = ClosingSearch(self.compiler.lltokenizer, self.tokenizer.token_bytes)
+        return self._closing_search
 
     def _closes_on_length(self, gd) -> bool:
         """The request's close_on_length, else the server's default for JSON constraints."""
@@ -360,9 +374,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         """A closer if the request closes on length (decided in `validate_request`)."""
         if CLOSED_ON_LENGTH not in params.extra or params.max_tokens is None:
             return None
-        if self._closing_search is None:
-            self._closing_search = ClosingSearch(self.compiler.lltokenizer, self.tokenizer.token_bytes)
-        return LengthCloser(self._closing_search)
+        return LengthCloser(self._search())
 
     def _reasoning_gate(self, share_inputs: dict, slot: int) -> _ReasoningGate | None:
         """With a reasoning parser: where this request's output starts, read from its prompt's end."""
