@@ -81,6 +81,9 @@ class OpenAIServing:
                                  constrained_by: str | None) -> None:
         """Run the backend's request hooks; its processor replaces any llguidance constraint.
         `constrained_by` is the field that asked for a constraint (None: the request asked for none)."""
+        if params.guided_decoding is not None and params.guided_decoding.close_on_length:
+            field = "structured_outputs.close_on_length"  # an llguidance feature: never silently dropped
+            raise bad_request(f"{field}: not available with a custom guided decoding backend", param=field)
         request = req.model_dump(by_alias=True, exclude_none=True)
         try:
             params.extra.update(await prepare_request(backend, request, self.tokenizer, constrained_by=constrained_by,
