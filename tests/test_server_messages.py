@@ -188,6 +188,11 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
     ({"mcp_servers": [{"url": "x"}]}, 400, "invalid_request_error", "mcp_servers"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "invalid_request_error",
      "output_config.format"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",  # no budget processor
+     "thinking.budget_tokens: this server enforces no thinking budget; start it with --logits-processors "
+     "ThinkingBudgetLogitsProcessor"),
+    ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
+     "thinking: budget_tokens is only for type 'enabled'"),
 ])
 def test_errors_have_anthropic_shape_and_name_the_field(http, change, status, kind, names):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **change}

@@ -12,6 +12,7 @@ the same validators, chat template, tool-call grammar and engine path as /v1/cha
                                      disable_parallel_tool_use → parallel_tool_calls false
     stop_sequences, top_k, ...     → stop, top_k, ...
     thinking {"type"}              → chat_template_kwargs.enable_thinking (unless set there)
+    thinking.budget_tokens         → logits_processors_args.thinking_budget (ThinkingBudgetLogitsProcessor)
 
 Images, documents, server tools (web search, code execution, ...), `mcp_servers` and `container`
 are a 400. `cache_control` is accepted anywhere and needs nothing: prompt prefixes are cached
@@ -145,7 +146,15 @@ class AnthropicToolChoice(BaseModel):
 class ThinkingConfig(BaseModel):
     model_config = _STRICT
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1, description="Accepted; the reasoning is bounded by max_tokens.")
+    budget_tokens: int | None = Field(None, ge=1, description="With type 'enabled': most tokens the model thinks "
+                                                               "before </think> is forced (needs the server's "
+                                                               "ThinkingBudgetLogitsProcessor).")
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self):
+        if self.budget_tokens is not None and self.type != "enabled":
+            raise ValueError(f"budget_tokens is only for type 'enabled', not {self.type!r}")
+        return self
 
 
 class AnthropicMessagesRequest(BaseModel):
@@ -167,7 +176,8 @@ class AnthropicMessagesRequest(BaseModel):
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = Field(None, description="With --reasoning-parser: reasoning comes back as "
                                                               "thinking blocks; this sets the template's "
-                                                              "enable_thinking.")
+                                                              "enable_thinking, and budget_tokens the thinking "
+                                                              "budget.")
     metadata: dict[str, Any] | None = Field(None, description="Accepted (user_id); not used.")
     cache_control: dict[str, Any] | None = Field(None, description="Accepted; prefixes are cached automatically.")
     service_tier: str | None = Field(None, description="Accepted; there is one tier.")
@@ -197,7 +207,16 @@ class AnthropicMessagesRequest(BaseModel):
                              "not supported; end with a user turn")
         if self.tool_choice is not None and self.tool_choice.type != "none" and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
+        given = (self.logits_processors_args or {}).get("thinking_budget")
+        if self.thinking_budget is not None and given is not None and given != self.thinking_budget:
+            raise ValueError(f"thinking.budget_tokens: {self.thinking_budget} disagrees with "
+                             f"logits_processors_args.thinking_budget {given!r}; give one of them")
         return self
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """`thinking.budget_tokens`, the budget ThinkingBudgetLogitsProcessor enforces."""
+        return self.thinking.budget_tokens if self.thinking is not None else None
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -207,9 +226,12 @@ class AnthropicMessagesRequest(BaseModel):
         kwargs = dict(self.chat_template_kwargs or {})
         if self.thinking is not None:
             kwargs.setdefault("enable_thinking", self.thinking.type != "disabled")
+        args = self.logits_processors_args
+        if self.thinking_budget is not None:
+            args = {**(args or {}), "thinking_budget": self.thinking_budget}
         body = {"model": self.model, "messages": self._chat_messages(), "max_tokens": self.max_tokens,
                 "stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "logits_processors_args": self.logits_processors_args,
+                "top_k": self.top_k, "logits_processors_args": args,
                 "chat_template_kwargs": kwargs or None}
         if self.tools:
             body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,

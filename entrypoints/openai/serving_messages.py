@@ -45,6 +45,8 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def create(self, req: AnthropicMessagesRequest, raw: Request, headers: dict[str, str]) -> Response:
+        if req.thinking_budget is not None:
+            self._check_thinking_budget()
         chat_req = _chat_request(req)
         backend = self.chat.custom_backend(chat_req)
         if backend is not None and backend.constrained_generator is not None:
@@ -58,6 +60,15 @@ class AnthropicServingMessages:
         if out.outputs.finish_reason == "error":
             raise OpenAIError(500, out.outputs.error or "generation failed", code="generation_error")
         return JSONResponse(self._message(message_id, out, run), headers=headers)
+
+    def _check_thinking_budget(self) -> None:
+        """`budget_tokens` is enforced by a processor reading `thinking_budget`; a server without one
+        would let the model think past the budget, so the request is refused instead."""
+        processors = self.chat.engine.engine.pipeline.processors
+        if not any("thinking_budget" in (type(p).declared_keys() or ()) for p in processors):
+            raise bad_request("thinking.budget_tokens: this server enforces no thinking budget; start it with "
+                              "--logits-processors ThinkingBudgetLogitsProcessor, or leave budget_tokens out "
+                              "(max_tokens then bounds the thinking)", param="thinking.budget_tokens")
 
     async def count_tokens(self, req: AnthropicCountTokensRequest, headers: dict[str, str]) -> Response:
         """`{"input_tokens"}`: the prompt /v1/messages would run, rendered and encoded the same way."""
