@@ -31,6 +31,6 @@ setup(
         "prometheus-client",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "openai", "httpx", "jsonschema", "anthropic"]},
+    extras_require={"test": ["pytest", "openai", "openai-agents", "httpx", "jsonschema", "anthropic"]},
     entry_points={"console_scripts": ["fastdeploy-lp=fastdeploy_lp.entrypoints.cli:main"]},
 )

@@ -2,13 +2,16 @@
 server (the tiny qwen2 fixture, so greedy outputs run to their token limit unless a grammar ends
 them; function calls with the built-in default model, which is trained to make them): plain and streamed answers agree with each other and with chat, `text.format` JSON parses,
 function calls round-trip through `function_call_output` and `previous_response_id`, the store
-answers GET/DELETE and evicts past its bounds, processor arguments apply, and what is not served is
-a 400 naming the field."""
+answers GET/DELETE and evicts past its bounds, processor arguments apply, what is not served is
+a 400 naming the field, and an `openai-agents` agent runs its function tool against the server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Literal
 
+import agents
 import httpx
 import jsonschema
 import openai
@@ -140,6 +143,42 @@ def test_streamed_function_call_arguments_join_to_the_call(tool_client):
     assert events[2].type == "response.output_item.added" and events[2].item.type == "function_call"
     assert len(done) == 1 and "".join(pieces) == done[0].arguments == plain.output[-1].arguments
     assert final.output[-1].arguments == plain.output[-1].arguments and events[-1].type == "response.completed"
+
+
+def test_an_openai_agents_agent_calls_its_function_tool_and_answers(tool_client):
+    """The Agents SDK's default model is the Responses API: plain and streamed runs both call the
+    tool, send its output back as function_call_output, and end with the model's message."""
+    agents.set_tracing_disabled(True)  # traces would go to OpenAI's servers
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return "Sunny, 21 C"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=str(tool_client.base_url), api_key="unused", max_retries=0, timeout=60)
+        agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel("default-model", client),
+                             model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+        plain = await agents.Runner.run(agent, "Weather in Paris?", max_turns=4)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Rome?", max_turns=4)
+        events = [e async for e in streamed.stream_events()]
+        await client.close()
+        return plain, streamed, events
+
+    plain, streamed, events = asyncio.run(run())
+    for result in (plain, streamed):
+        kinds = [item.type for item in result.new_items]
+        assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+        assert isinstance(result.final_output, str) and result.final_output
+        first, last = result.raw_responses[0], result.raw_responses[-1]
+        assert last.usage.input_tokens > first.usage.input_tokens  # the tool's output went back in
+    assert calls and set(calls) <= {"Paris", "Rome"} and calls[0] == "Paris"
+    streamed_items = [e.name for e in events if e.type == "run_item_stream_event"]
+    assert streamed_items[:2] == ["tool_called", "tool_output"] and "message_output_created" in streamed_items
+    assert any(e.type == "raw_response_event" and e.data.type == "response.output_text.delta" for e in events)
 
 
 def test_stored_response_is_retrieved_and_deleted(client):
