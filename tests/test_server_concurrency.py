@@ -44,6 +44,25 @@ def wait_until_idle(server, timeout: float = 10.0) -> float:
     return server.metric("fastdeploy_lp:num_requests_running")
 
 
+def check_leaving_aborts(server, open_stream, give_up, timeout_error: type[Exception]) -> None:
+    """For the SDK endpoints: `open_stream()` is an SDK stream (a context manager) of a long request,
+    `give_up()` the same request unstreamed under a short read timeout. Leaving the stream after six
+    events (text deltas among them), and the timeout, each abort the request: the slot frees and one
+    more request ends as abort."""
+    aborted = server.metric("fastdeploy_lp:request_finished_total", 'finish_reason="abort"')
+    with open_stream() as stream:
+        for seen, _ in enumerate(stream):
+            if seen == 5:
+                break
+        assert server.metric("fastdeploy_lp:num_requests_running") == 1
+    # leaving the block closes the connection mid-stream
+    assert wait_until_idle(server) == 0
+    with pytest.raises(timeout_error):
+        give_up()
+    assert wait_until_idle(server) == 0
+    assert server.metric("fastdeploy_lp:request_finished_total", 'finish_reason="abort"') == aborted + 2
+
+
 def test_32_concurrent_streaming_clients_each_get_their_own_result(server, tokens):
     tok, candidates = tokens
     picks = candidates[:: max(1, len(candidates) // 32)][:32]

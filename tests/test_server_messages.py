@@ -1,6 +1,7 @@
 """POST /v1/messages (Anthropic's Messages API) driven by the official `anthropic` SDK and `httpx`
 against a real server: the same greedy text as chat, Anthropic's event order, tool_use and
-tool_result over two turns, stop reasons, processor arguments, API keys and the error shape."""
+tool_result over two turns, stop reasons, processor arguments, API keys, the error shape, and a
+client that goes away freeing its slot."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun
 from fastdeploy_lp.entrypoints.openai.serving_messages import _MessageEvents
 from fastdeploy_lp.reasoning import REASONING_PARSERS, ReasoningState
 from server_harness import start_server
+from test_server_concurrency import check_leaving_aborts
 
 MODEL = "tiny-qwen2"
 GREEDY = {"temperature": 0}  # the newest SDKs leave sampling fields out of create(); the API still takes them
@@ -29,7 +31,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--max-num-seqs", "8", "--served-model-name", MODEL, "--logits-processors",
-                     "LogitBiasLogitsProcessor", "server_processors:FailingLogitsProcessor")
+                     "LogitBiasLogitsProcessor", "server_processors:FailingLogitsProcessor",
+                     "server_processors:SlowLogitsProcessor")
     yield s
     s.stop()
 
@@ -216,6 +219,13 @@ def test_malformed_json_and_wrong_method_keep_their_shapes(http):
     r = http.post("/v1/messages", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert http.get("/v1/messages").status_code == 405
+
+
+def test_closing_a_stream_midway_or_giving_up_on_an_answer_aborts_the_request(server, client):
+    long = {"model": MODEL, "max_tokens": 400, "messages": ASK,  # 400 slow tokens, no EOS
+            "extra_body": {"logits_processors_args": {"slow_ms": 20, "logit_bias": {"1000": 100.0}}}}
+    check_leaving_aborts(server, lambda: client.messages.stream(**long),
+                         lambda: client.with_options(timeout=0.5).messages.create(**long), anthropic.APITimeoutError)
 
 
 @pytest.fixture(scope="module")

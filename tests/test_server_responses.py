@@ -2,8 +2,8 @@
 server (the tiny qwen2 fixture, so greedy outputs run to their token limit unless a grammar ends
 them; function calls with the built-in default model, which is trained to make them): plain and streamed answers agree with each other and with chat, `text.format` JSON parses,
 function calls round-trip through `function_call_output` and `previous_response_id`, the store
-answers GET/DELETE and evicts past its bounds, processor arguments apply, what is not served is
-a 400 naming the field, and an `openai-agents` agent runs its function tool against the server."""
+answers GET/DELETE and evicts past its bounds, processor arguments apply, a client that goes away
+frees its slot, what is not served is a 400 naming the field, and an `openai-agents` agent runs its function tool against the server."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from fastdeploy_lp.config import default_model_path
 from fastdeploy_lp.entrypoints.openai.responses_store import ResponseStore
 from server_harness import start_server
+from test_server_concurrency import check_leaving_aborts
 from test_server_openai import client  # noqa: F401  (the fixture, over this module's `server`)
 
 ASK = "What is the capital of France?"
@@ -34,7 +35,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 @pytest.fixture(scope="module")
 def server():
     s = start_server("--max-num-seqs", "8", "--served-model-name", "tiny-qwen2",
-                     "--logits-processors", "LogitBiasLogitsProcessor")
+                     "--logits-processors", "LogitBiasLogitsProcessor", "server_processors:SlowLogitsProcessor")
     yield s
     s.stop()
 
@@ -238,3 +239,10 @@ def test_unsupported_or_bad_fields_are_a_400_naming_the_field(server, body, para
     err = _error(server, {"model": "tiny-qwen2", "input": ASK, **body})
     assert err["param"] is not None and err["param"].startswith(param), err
     assert err["message"].startswith(err["param"]) or param in err["message"]
+
+
+def test_closing_a_stream_midway_or_giving_up_on_an_answer_aborts_the_request(server, client):
+    long = {"model": "tiny-qwen2", "input": ASK, "max_output_tokens": 400, "store": False,  # 400 slow tokens, no EOS
+            "extra_body": {"logits_processors_args": {"slow_ms": 20, "logit_bias": {"1000": 100.0}}}}
+    check_leaving_aborts(server, lambda: client.responses.stream(**long),
+                         lambda: client.with_options(timeout=0.5).responses.create(**long), openai.APITimeoutError)
