@@ -18,7 +18,6 @@ generated; the pieces join to the final arguments.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 import uuid
@@ -84,12 +83,10 @@ class OpenAIServingChat(OpenAIServing):
             max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
                                          defaults=self.generation_defaults, guided=guided)
-            prompt_ids, prompt_text = await asyncio.to_thread(self._prompt, req)
+            prompt_ids, prompt_text = self._prompt(req)
         if backend is not None:
             constrained_by = req.constraint_field() if guided is not None else ("tools" if tools_active else None)
             await self.use_custom_backend(backend, req, params, constrained_by)
-        if params.logprobs is not None:
-            await self.warm_token_table()
         renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field(),
                                       req.whitespace_field())
         renames.update({"prompt": "messages", "max_tokens": max_field})

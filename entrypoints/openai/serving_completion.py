@@ -32,8 +32,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_guided(guided, req.constraint_field())
             params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                                          defaults=self.generation_defaults, guided=guided)
-        if params.logprobs is not None:
-            await self.warm_token_table()
         prompts = req.prompts()
         streams: list[RequestStream] = []
         try:

@@ -46,6 +46,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], model_aliases: set[str]):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
+        self.token_bytes = self.tokenizer.token_bytes  # logprobs read it; built here, not in a request's turn
         self.served_model_names = served_model_names
         self.model_aliases = model_aliases | set(served_model_names)
         self.generation_defaults = dict(engine.engine.fd_config.model_config.generation_defaults)
@@ -125,11 +126,6 @@ class OpenAIServing:
         renames["guided_whitespace_pattern"] = whitespace_field
         return renames
 
-    async def warm_token_table(self) -> None:
-        """Build the id → bytes table (for logprobs) off the event loop on first use."""
-        if "token_bytes" not in vars(self.tokenizer):
-            await asyncio.to_thread(lambda: self.tokenizer.token_bytes)
-
     async def submit(self, prompt: str | list[int], params: SamplingParams,
                      renames: dict[str, str] | None = None) -> RequestStream:
         try:
@@ -142,7 +138,7 @@ class OpenAIServing:
 
     # -- logprobs -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
-        raw = self.tokenizer.token_bytes[token_id] if 0 <= token_id < len(self.tokenizer.token_bytes) else b""
+        raw = self.token_bytes[token_id] if 0 <= token_id < len(self.token_bytes) else b""
         return raw.decode("utf-8", errors="replace"), list(raw)
 
     def chat_logprobs(self, entries: list[Logprob]) -> dict[str, Any]:

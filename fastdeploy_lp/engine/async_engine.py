@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Callable
 
 from fastdeploy_lp.engine.engine import LLMEngine
-from fastdeploy_lp.engine.request import RequestOutput
+from fastdeploy_lp.engine.request import Request, RequestOutput
 from fastdeploy_lp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}  # child id -> stream
-        self._admitting = 0          # sequences handed to add_request but not yet queued in the engine
+        self._admitting = 0          # sequences whose constraint compiles, not yet queued in the engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wakeup = threading.Event()
@@ -160,8 +160,11 @@ class AsyncLLMEngine:
         """Validate and queue a request; returns its stream.
 
         Raises `ValueError("field: ...")` for a bad request, `QueueFullError`, or
-        `EngineNotServingError`. Validation (tokenizing, compiling a grammar) runs on a worker
-        thread, so a slow one does not hold up the event loop.
+        `EngineNotServingError`. Validation runs here, on the event loop: it takes microseconds
+        (tokenizing a prompt that fits the context, checking ids and processor args) and, for
+        `tokenizer.json` tokenizers, holds the GIL either way. The one exception is an output
+        constraint: compiling it waits for a compile worker, up to the compile time limit, so that
+        request alone is validated on a worker thread while the loop serves everyone else.
         """
         if not self.is_serving:
             raise EngineNotServingError(self._not_serving_reason())
@@ -178,34 +181,33 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, child_ids, self.abort)
         for c in child_ids:  # registered before the engine can produce anything for them
             self._streams[c] = stream
-        self._admitting += n
-        future = self._loop.run_in_executor(None, self.engine.add_request, prompt, params, request_id)
         try:
-            ids = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The caller went away while we validated: drop the request once it is queued.
-            future.add_done_callback(lambda f: self._cancelled_while_admitting(f, request_id, child_ids))
-            raise
-        except BaseException:
+            if params.guided_decoding is None:
+                requests = self.engine.make_requests(prompt, params, request_id)
+            else:
+                requests = await self._validate_on_worker(prompt, params, request_id, n)
+        except BaseException:  # a cancelled caller included: nothing was queued, so nothing to abort
             self._unregister(child_ids)
             raise
-        finally:
-            self._admitting -= n
-        if ids != child_ids:  # the engine's id convention is part of this contract
-            raise RuntimeError(f"engine returned ids {ids}, expected {child_ids}")
+        if [r.request_id for r in requests] != child_ids:  # the engine's id convention is part of this contract
+            self._unregister(child_ids)
+            raise RuntimeError(f"engine returned ids {[r.request_id for r in requests]}, expected {child_ids}")
+        self.engine.enqueue(requests)
         self._wakeup.set()
         return stream
+
+    async def _validate_on_worker(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                                  n: int) -> list[Request]:
+        self._admitting += n  # counted as waiting while it compiles, so backpressure sees it
+        try:
+            return await self._loop.run_in_executor(None, self.engine.make_requests, prompt, params, request_id)
+        finally:
+            self._admitting -= n
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its choices); its slot is freed at the engine's next step."""
         self.engine.abort_request(request_id)
         self._wakeup.set()
-
-    def _cancelled_while_admitting(self, future, request_id: str, child_ids: list[str]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            self._unregister(child_ids)
-        else:
-            self.abort(request_id)  # its outputs still reach the stream, which nobody reads
 
     def _unregister(self, child_ids: list[str]) -> None:
         for c in child_ids:

@@ -1,10 +1,8 @@
-"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize off the event
-loop (`serving_tokenize.py`), answer. They need the tokenizer only, so they answer while the engine
-is busy or draining too."""
+"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize on the event
+loop as the chat path does (`serving_tokenize.py`), answer. They need the tokenizer only, so they
+answer while the engine is busy or draining too."""
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,7 +27,7 @@ async def tokenize_prompt(request: Request):
     headers = ignored_fields_header(request, body)
     engine = state.async_engine.engine
     with value_errors_as_400():
-        out = await asyncio.to_thread(tokenize, engine.tokenizer, body, engine.fd_config.max_model_len)
+        out = tokenize(engine.tokenizer, body, engine.fd_config.max_model_len)
     return JSONResponse(out, headers=headers)
 
 
@@ -40,5 +38,5 @@ async def detokenize_tokens(request: Request):
     request.app.state.chat.check_model(body.model)
     headers = ignored_fields_header(request, body)
     with value_errors_as_400():
-        out = await asyncio.to_thread(detokenize, request.app.state.async_engine.engine.tokenizer, body)
+        out = detokenize(request.app.state.async_engine.engine.tokenizer, body)
     return JSONResponse(out, headers=headers)
