@@ -283,9 +283,11 @@ def bench_decode(model: str, batches: list[int], tokens: int, reps: int) -> dict
     from fastdeploy_lp import LLM, GuidedDecodingParams, SamplingParams
 
     prompt = "Give the capital of France as JSON:"
-    llm = LLM(model, max_num_seqs=max(batches), device="cpu", max_model_len=512)
-    timing = llm.engine.pipeline.timings[llm.engine.pipeline.names[0]]
-    llm.generate([prompt] * max(batches), SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    # fast_forward is part of the frozen engine config: one engine with it and one without.
+    llms = {ff: LLM(model, max_num_seqs=max(batches), device="cpu", max_model_len=512, fast_forward=ff)
+            for ff in (False, True)}
+    for llm in llms.values():
+        llm.generate([prompt] * max(batches), SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     cases = [("unconstrained", None, False), ("json capital", GuidedDecodingParams(json=CAPITAL), False),
              ("json capital +fast-forward", GuidedDecodingParams(json=CAPITAL), True)]
     results = {}
@@ -293,7 +295,8 @@ def bench_decode(model: str, batches: list[int], tokens: int, reps: int) -> dict
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
         for _ in range(reps):
             for name, gd, ff in cases:
-                llm.fd_config.fast_forward = ff  # the engine reads it every step
+                llm = llms[ff]
+                timing = llm.engine.pipeline.timings[llm.engine.pipeline.names[0]]
                 params = [SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, guided_decoding=gd,
                                          ignore_eos=gd is None) for i in range(batch)]
                 before = (timing.update_state_seconds, timing.apply_seconds, llm.engine.num_steps)
@@ -383,12 +386,13 @@ def main() -> None:
 
     from fastdeploy_lp import FDConfig
     from fastdeploy_lp.engine.runner import use_device
+    from fastdeploy_lp.processors import EngineContext
     from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 
     cfg = FDConfig.create(args.model, device="cpu", max_num_seqs=16, max_model_len=512)
     use_device(cfg)  # as the engine runs: CPU threads and MKL settings
     start = time.perf_counter()
-    guide = GuidedDecodingLogitsProcessor(cfg)
+    guide = GuidedDecodingLogitsProcessor(cfg, EngineContext.load(cfg))
     results = {"model": args.model, "vocab_size": guide.vocab_size,
                "tokenizer_build_s": time.perf_counter() - start, "args": vars(args)}
     print(f"vocabulary {guide.vocab_size}; llguidance tokenizer built in {results['tokenizer_build_s']:.2f} s")

@@ -33,7 +33,7 @@ import paddle
 
 from fastdeploy_lp.config import EngineArgs, FDConfig, ModelConfig
 from fastdeploy_lp.engine.scheduler import new_share_inputs
-from fastdeploy_lp.processors import LogitsProcessor, LogitsProcessorArgs, LogitsProcessorPipeline
+from fastdeploy_lp.processors import EngineContext, LogitsProcessor, LogitsProcessorArgs, LogitsProcessorPipeline
 from fastdeploy_lp.processors.builtin.bad_words import banned_next_tokens
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "qwen2.5-0.5b-random")
@@ -80,14 +80,26 @@ class NaiveNoRepeatNGram(_NaiveRows):
 
 
 # -- setup ----------------------------------------------------------------------------------------------
-def bench_config(vocab: int, batch: int, max_len: int, model_dir: str | None) -> FDConfig:
+class IdsOnlyTokenizer:
+    """The synthetic config's tokenizer: the bench's requests name token ids, never words."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text, add_special_tokens=True):
+        raise ValueError("bench requests name token ids (bad_words_token_ids), not text")
+
+
+def bench_context(vocab: int, batch: int, max_len: int, model_dir: str | None) -> EngineContext:
     if model_dir:
-        return FDConfig.create(model_dir, max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device())
+        return EngineContext.load(FDConfig.create(model_dir, max_num_seqs=batch, max_model_len=max_len,
+                                                  device=paddle.get_device()))
     model = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab, "hidden_size": 64,
                                    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
                                    "num_key_value_heads": 1,
                                    "max_position_embeddings": max_len})
-    return EngineArgs(max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device()).create_engine_config(model)
+    args = EngineArgs(max_num_seqs=batch, max_model_len=max_len, device=paddle.get_device())
+    return EngineContext(args.create_engine_config(model), IdsOnlyTokenizer(vocab), {}, {})
 
 
 def request_args(rng: np.random.Generator, vocab: int) -> dict:
@@ -97,11 +109,11 @@ def request_args(rng: np.random.Generator, vocab: int) -> dict:
             "no_repeat_ngram_size": 3}
 
 
-def fill_batch(fd_config, batch, prompt_len, output_len, with_args, seed=0):
+def fill_batch(engine_context, batch, prompt_len, output_len, with_args, seed=0):
     rng = np.random.default_rng(seed)
-    vocab = fd_config.model_config.vocab_size
+    vocab = engine_context.config.model_config.vocab_size
     share = new_share_inputs(batch)
-    validator = LogitsProcessorPipeline(fd_config, BATCHED)
+    validator = LogitsProcessorPipeline(engine_context, BATCHED)
     for slot in range(batch):
         share["stop_flags"][slot] = False
         share["req_ids"][slot] = f"req-{slot}"
@@ -184,22 +196,23 @@ def main() -> None:
     model_dir = args.model if args.model != "none" and os.path.isfile(os.path.join(args.model, "config.json")) else None
     context = args.prompt_len + args.output_len
     max_len = context + 2 + max(args.steps, args.naive_steps) + 8
-    fd_config = bench_config(args.vocab, args.batch, max_len, model_dir)
+    engine_context = bench_context(args.vocab, args.batch, max_len, model_dir)
+    fd_config = engine_context.config
     vocab = fd_config.model_config.vocab_size
     logits = paddle.to_tensor(np.random.default_rng(1).standard_normal((args.batch, vocab)).astype(np.float32))
 
     configs = {
-        "empty": (lambda: LogitsProcessorPipeline(fd_config, []), False, args.steps),
-        "registered-idle": (lambda: LogitsProcessorPipeline(fd_config, BATCHED), False, args.steps),
-        "batched": (lambda: LogitsProcessorPipeline(fd_config, BATCHED), True, args.steps),
-        "naive-loop": (lambda: LogitsProcessorPipeline(fd_config, [], leading=[
+        "empty": (lambda: LogitsProcessorPipeline(engine_context, []), False, args.steps),
+        "registered-idle": (lambda: LogitsProcessorPipeline(engine_context, BATCHED), False, args.steps),
+        "batched": (lambda: LogitsProcessorPipeline(engine_context, BATCHED), True, args.steps),
+        "naive-loop": (lambda: LogitsProcessorPipeline(engine_context, [], leading=[
             NaiveLogitBias(fd_config), NaiveBadWords(fd_config), NaiveNoRepeatNGram(fd_config)]), True,
             args.naive_steps),
     }
     results = {"device": paddle.get_device(), "batch": args.batch, "vocab": vocab, "context": context,
                "model": os.path.basename(model_dir) if model_dir else None, "pipeline": {}}
     for name, (make, with_args, steps) in configs.items():
-        share, rng = fill_batch(fd_config, args.batch, args.prompt_len, args.output_len, with_args)
+        share, rng = fill_batch(engine_context, args.batch, args.prompt_len, args.output_len, with_args)
         pipeline = make()
         results["pipeline"][name] = summary(time_pipeline(pipeline, share, rng, logits.clone(), steps))
         results["pipeline"][name]["per_processor_ms"] = {

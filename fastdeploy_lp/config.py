@@ -74,18 +74,24 @@ class CacheConfig:
         return CHUNKED_PREFILL_TOKEN_BUDGET if self.enable_chunked_prefill else None
 
 
-@dataclass
+# Objects that were `FDConfig` fields once and now live in the engine's `EngineContext`.
+RUNTIME_OBJECTS = ("tokenizer", "tool_functions", "custom_guided_decoding_backends")
+
+
+@dataclass(frozen=True)
 class FDConfig:
     """Everything the engine and the logits processors need to know about one deployment, derived
-    from `EngineArgs` (which documents each field) and checked against the checkpoint. A change is
-    a new config (`dataclasses.replace`); only the runtime fields at the end are set afterwards."""
+    from `EngineArgs` (which documents each field) and checked against the checkpoint. Frozen: a
+    change is a new config (`dataclasses.replace`). It holds values only, so it pickles to
+    tensor-parallel workers; the tokenizer, tool functions and custom backends are in the engine's
+    `EngineContext` (`fastdeploy_lp.processors.context`)."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
     max_num_seqs: int
     max_model_len: int
     device: str
-    logits_processors: list[str]
+    logits_processors: tuple[str, ...]
     guided_decoding_backend: str
     fast_forward: bool
     cpu_threads: int | None
@@ -94,15 +100,21 @@ class FDConfig:
     guided_close_on_length: bool
     reasoning_parser: str | None
     tensor_parallel_size: int
-    # Runtime objects, set by the engine builder; not options (they are no part of `EngineArgs`).
-    tool_functions: dict[str, Any] = dataclasses.field(default_factory=dict)  # for ToolExecutionLogitsProcessor
-    custom_guided_decoding_backends: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> CustomBackend
-    tokenizer: Any = None  # the engine's `Tokenizer`, set when the engine starts
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
         """`EngineArgs(model, **kwargs).create_engine_config()`: the config of those options."""
         return EngineArgs(model, **kwargs).create_engine_config()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are no field: processors written against the old config
+        # learn where the runtime objects went instead of reading a bare AttributeError.
+        if name in RUNTIME_OBJECTS:
+            raise AttributeError(
+                f"FDConfig.{name}: runtime objects are no longer part of the config; a logits processor that "
+                f"needs the engine's {name} sets `uses_engine_context = True` and is built as "
+                f"cls(fd_config, context), reading context.{name} (docs/logits_processors.md)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 MODEL, DECODING, CACHE = "model and engine", "decoding: processors, guided decoding, reasoning, tools", \
@@ -223,7 +235,7 @@ class EngineArgs:
         model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
         return FDConfig(model_config=model_config, cache_config=cache_config, max_num_seqs=self.max_num_seqs,
                         max_model_len=_max_model_len(model_config, self.max_model_len), device=device,
-                        logits_processors=list(self.logits_processors or []),
+                        logits_processors=tuple(self.logits_processors or ()),
                         guided_decoding_backend=self.guided_decoding_backend, fast_forward=self.fast_forward,
                         cpu_threads=self.cpu_threads, logits_processor_timeout_s=timeout or None,
                         guided_whitespace_pattern=self.guided_whitespace_pattern,

@@ -152,11 +152,15 @@ class LogitsProcessor(ABC):
         (then it is skipped for all-greedy batches).
       * `serves_guided_decoding`: True for the processor that enforces
         `SamplingParams.guided_decoding` (the engine accepts such requests only if one is installed).
+      * `uses_engine_context`: True if it needs the engine's runtime objects (the tokenizer, tool
+        functions, custom backends): it is then built as `cls(fd_config, context)` with the
+        engine's `EngineContext` (`context.py`); otherwise as FastDeploy's `cls(fd_config)`.
     """
 
     args_model: ClassVar[type[BaseModel] | None] = None
     argmax_invariant: ClassVar[bool] = False
     serves_guided_decoding: ClassVar[bool] = False
+    uses_engine_context: ClassVar[bool] = False
 
     def __init__(self, fd_config) -> None:
         self.fd_config = fd_config

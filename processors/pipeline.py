@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 
 from fastdeploy_lp.processors.base import (LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs,
                                            active_slots)
+from fastdeploy_lp.processors.context import EngineContext, build_processor
 from fastdeploy_lp.processors.registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
 from fastdeploy_lp.processors.step_view import ForcedTokens, ForcedTokensError, ReadOnlyArgs, StepView
 
@@ -67,13 +69,13 @@ class LogitsProcessorPipeline:
     and the built-ins that apply `SamplingParams.logit_bias` and `bad_words` (`sampling_stage`,
     `apply_sampling_params`; where each runs: `engine/stages.py`)."""
 
-    def __init__(self, fd_config, names: list[str], leading: list[LogitsProcessor] | None = None):
-        self.fd_config = fd_config
-        processors = list(leading or []) + [cls(fd_config) for cls in resolve_processors(names)]
-        self.registered = _Stage(processors, [type(p).__name__ for p in processors], fd_config)
+    def __init__(self, context: EngineContext, names: Sequence[str], leading: list[LogitsProcessor] | None = None):
+        self.fd_config = context.config
+        processors = list(leading or []) + [build_processor(cls, context) for cls in resolve_processors(names)]
+        self.registered = _Stage(processors, [type(p).__name__ for p in processors], context)
         stage = resolve_processors(list(SAMPLING_PARAMS_PROCESSORS.values()))
         names = [f"{name}(SamplingParams.{field})" for field, name in SAMPLING_PARAMS_PROCESSORS.items()]
-        self.sampling_stage = _Stage([cls(fd_config) for cls in stage], names, fd_config)
+        self.sampling_stage = _Stage([build_processor(cls, context) for cls in stage], names, context)
         self._open = any(type(p).declared_keys() is None for p in processors)
         self._view = StepView()
         self._sampling_args: list[ReadOnlyArgs] = []  # per slot: its SamplingParams fields as args
@@ -192,15 +194,15 @@ class LogitsProcessorPipeline:
 class _Stage:
     """Processors that run together, in order: their calls, timings, time limit and failure isolation."""
 
-    def __init__(self, processors: list[LogitsProcessor], names: list[str], fd_config):
+    def __init__(self, processors: list[LogitsProcessor], names: list[str], context: EngineContext):
+        fd_config = context.config
         self.processors = processors
         self.names = names
         self.timings = {name: ProcessorTiming() for name in names}
-        self.timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        self.timeout_s = fd_config.logits_processor_timeout_s
         self.max_forced = fd_config.max_model_len  # no request can take more tokens than this
-        tokenizer_vocab = getattr(fd_config.tokenizer, "vocab_size", None)
         # Checkpoints may pad the embedding past the tokenizer: those ids are no tokens.
-        self.vocab_size = min(fd_config.model_config.vocab_size, tokenizer_vocab or fd_config.model_config.vocab_size)
+        self.vocab_size = min(fd_config.model_config.vocab_size, context.tokenizer.vocab_size)
         self._enabled: list[bool] = [False] * len(processors)
         self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
 

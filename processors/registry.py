@@ -61,7 +61,20 @@ def resolve_processor(name: str) -> type[LogitsProcessor]:
         raise _fail(name, "not a subclass of fastdeploy_lp.processors.LogitsProcessor")
     if inspect.isabstract(cls):
         raise _fail(name, f"it does not implement {', '.join(sorted(cls.__abstractmethods__))}")
+    if cls.uses_engine_context and not _takes_context(cls):
+        # Typically a subclass of a built-in that needs the tokenizer, written for the old
+        # `cls(fd_config)`: without this it would fail later with a bare TypeError.
+        raise _fail(name, "it sets uses_engine_context (or inherits it) but its __init__ does not take "
+                          "(fd_config, context); take the context and pass it to super().__init__")
     return cls
+
+
+def _takes_context(cls: type[LogitsProcessor]) -> bool:
+    try:
+        inspect.signature(cls).bind(None, None)
+    except TypeError:
+        return False
+    return True
 
 
 def resolve_processors(names: list[str]) -> list[type[LogitsProcessor]]:

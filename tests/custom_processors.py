@@ -227,8 +227,8 @@ class TypedBiasLogitsProcessor(LogitsProcessor):
 
 # -- The built-ins, counting the per-request state they build (`entries`, called when a request joins) --
 class _CountBuilds:
-    def __init__(self, fd_config):
-        super().__init__(fd_config)
+    def __init__(self, fd_config, *context):  # the built-ins that need the engine context take it too
+        super().__init__(fd_config, *context)
         self.built: list[str] = []  # request ids, in build order
 
     def entries(self, request: AddedRequest):

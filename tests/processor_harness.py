@@ -13,25 +13,23 @@ import numpy as np
 
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.engine.scheduler import new_share_inputs
-from fastdeploy_lp.processors import LogitsProcessorPipeline
-from fastdeploy_lp.tokenizer import Tokenizer
+from fastdeploy_lp.processors import EngineContext, LogitsProcessorPipeline
 
 BUILTINS = ["LogitBiasLogitsProcessor", "BadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor",
             "AllowedTokenIdsLogitsProcessor", "ThinkingBudgetLogitsProcessor"]
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
 
-def fd_config_for(model: str = "qwen3", max_num_seqs: int = 8) -> FDConfig:
-    cfg = FDConfig.create(os.path.join(FIXTURES, model), max_num_seqs=max_num_seqs, device="cpu")
-    cfg.tokenizer = Tokenizer(cfg.model_config.model)
-    return cfg
+def context_for(model: str = "qwen3", max_num_seqs: int = 8) -> EngineContext:
+    """The engine context of a fixture checkpoint: its config and tokenizer, as an engine builds them."""
+    return EngineContext.load(FDConfig.create(os.path.join(FIXTURES, model), max_num_seqs=max_num_seqs, device="cpu"))
 
 
 class HandBatch:
-    def __init__(self, fd_config: FDConfig, num_slots: int | None = None):
-        self.fd_config = fd_config
-        self.share = new_share_inputs(num_slots or fd_config.max_num_seqs)
-        self._validator = LogitsProcessorPipeline(fd_config, BUILTINS)
+    def __init__(self, context: EngineContext, num_slots: int | None = None):
+        self.fd_config = context.config
+        self.share = new_share_inputs(num_slots or self.fd_config.max_num_seqs)
+        self._validator = LogitsProcessorPipeline(context, BUILTINS)
         self._count = 0
 
     def place(self, slot: int, prompt: list[int], args: dict | None = None) -> str:

@@ -106,7 +106,7 @@ def test_the_derived_configs_have_no_defaults_of_their_own():
     from fastdeploy_lp.entrypoints.openai.api_server import ServerSettings
     from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
 
-    runtime = {"tool_functions", "custom_guided_decoding_backends", "tokenizer", "max_model_len"}
+    runtime = {"max_model_len"}  # RequestLimits: the engine's, set when the server starts
     for cls in (CacheConfig, FDConfig, ServerSettings, RequestLimits):
         defaulted = [f.name for f in dataclasses.fields(cls)
                      if (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)

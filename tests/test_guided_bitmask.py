@@ -13,6 +13,7 @@ import pytest
 from conftest import fixture_dir
 
 from fastdeploy_lp import LLM, FDConfig, GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.processors import EngineContext
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 from fastdeploy_lp.processors.guided import bitmask, processor
 from fastdeploy_lp.processors.guided.bitmask import banned_mask, expand_banned, mask_logits, words_for
@@ -88,7 +89,8 @@ def test_packed_path_is_the_default_off_the_cpu_only(monkeypatch):
 
 @pytest.fixture(scope="module")
 def guide():
-    return GuidedDecodingLogitsProcessor(FDConfig.create(fixture_dir("qwen2"), max_num_seqs=8, device="cpu"))
+    cfg = FDConfig.create(fixture_dir("qwen2"), max_num_seqs=8, device="cpu")
+    return GuidedDecodingLogitsProcessor(cfg, EngineContext.load(cfg))
 
 
 @pytest.mark.parametrize("packed", [True, False])

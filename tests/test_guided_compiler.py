@@ -14,6 +14,7 @@ from conftest import fixture_dir
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from fastdeploy_lp import LLM, FDConfig, GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.processors import EngineContext
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 from fastdeploy_lp.processors.guided.compiler import grammar_source, is_gbnf
 
@@ -27,13 +28,18 @@ TAGS = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers
 CALL = re.compile(r"<function=(get_weather|get_date)>(\{.*?\})</function>", re.S)
 
 
+def _guide(model: str) -> GuidedDecodingLogitsProcessor:
+    cfg = FDConfig.create(model, device="cpu")
+    return GuidedDecodingLogitsProcessor(cfg, EngineContext.load(cfg))
+
+
 @pytest.fixture(scope="module")
 def guide():
-    return GuidedDecodingLogitsProcessor(FDConfig.create(fixture_dir("qwen2"), device="cpu"))
+    return _guide(fixture_dir("qwen2"))
 
 
 def _tok(guide):
-    return guide.fd_config.tokenizer or _fixture_tokenizer()
+    return guide.tokenizer
 
 
 def _fixture_tokenizer():
@@ -69,7 +75,7 @@ def test_json_text_and_dict_share_one_cache_entry(guide):
 
 
 def test_errors_are_cached_too_and_the_cache_is_bounded():
-    g = GuidedDecodingLogitsProcessor(FDConfig.create(fixture_dir("qwen2"), device="cpu"))
+    g = _guide(fixture_dir("qwen2"))
     g.compiler.cache_size = 3
     for _ in range(2):
         with pytest.raises(ValueError, match="^guided_regex"):
@@ -293,7 +299,7 @@ def test_sentencepiece_fast_forward_tokens_spell_the_forced_text(sentencepiece_m
     """The forced text at the start has no dummy-prefix space, so neither may its tokens."""
     from fastdeploy_lp.tokenizer import Tokenizer
 
-    guide = GuidedDecodingLogitsProcessor(FDConfig.create(sentencepiece_model, device="cpu"))
+    guide = _guide(sentencepiece_model)
     tok = Tokenizer(sentencepiece_model)
     m = guide.compiler.compile(GuidedDecodingParams(regex="The capital is (Paris|Rome)")).new_matcher()
     forced = m.compute_ff_tokens()

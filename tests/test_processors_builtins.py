@@ -9,9 +9,9 @@ import os
 import numpy as np
 import paddle
 import pytest
-from processor_harness import HandBatch, fd_config_for
+from processor_harness import HandBatch, context_for
 
-from fastdeploy_lp.processors import LogitsProcessorPipeline
+from fastdeploy_lp.processors import LogitsProcessorPipeline, build_processor
 from fastdeploy_lp.processors.builtin.thinking_budget import marker_ids
 from fastdeploy_lp.processors.registry import resolve_processor
 
@@ -20,8 +20,8 @@ ALPHABET = [5, 6, 7, 8, 9]  # the driver prefers these tokens, so n-grams and wo
 
 
 @pytest.fixture(scope="module")
-def fd_config():
-    return fd_config_for("qwen3")
+def context():
+    return context_for("qwen3")
 
 
 # -- references ---------------------------------------------------------------------------------
@@ -125,11 +125,11 @@ def check_step(proc, batch, reference, rng, tok):
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_matches_numpy_reference_with_gaps_slot_reuse_and_joins(name, fd_config):
+def test_matches_numpy_reference_with_gaps_slot_reuse_and_joins(name, context):
     reference, (args_a, args_c, args_d, args_e) = SCENARIOS[name]
-    tok = fd_config.tokenizer
-    proc = resolve_processor(name)(fd_config)
-    batch, rng = HandBatch(fd_config), np.random.default_rng(0)
+    tok = context.tokenizer
+    proc = build_processor(resolve_processor(name), context)
+    batch, rng = HandBatch(context), np.random.default_rng(0)
     prompts = thinking_prompts(tok) if name.startswith("Thinking") else \
         {k: list(rng.choice(ALPHABET, n)) for k, n in zip("ABCDE", (6, 3, 9, 2, 5))}
 
@@ -165,31 +165,31 @@ def banned(row):
 
 
 @pytest.mark.parametrize("n", [1, 4])
-def test_no_repeat_ngram_sizes_one_and_four(n, fd_config):
-    proc = resolve_processor("NoRepeatNGramLogitsProcessor")(fd_config)
-    batch, rng = HandBatch(fd_config), np.random.default_rng(n)
+def test_no_repeat_ngram_sizes_one_and_four(n, context):
+    proc = build_processor(resolve_processor("NoRepeatNGramLogitsProcessor"), context)
+    batch, rng = HandBatch(context), np.random.default_rng(n)
     batch.place(1, [5, 6, 7, 5, 6, 7, 5, 6], {"no_repeat_ngram_size": n})
     batch.place(4, [5, 6], {"no_repeat_ngram_size": n})
     for _ in range(5):
-        check_step(proc, batch, ref_no_repeat_ngram, rng, fd_config.tokenizer)
+        check_step(proc, batch, ref_no_repeat_ngram, rng, context.tokenizer)
 
 
-def test_no_repeat_ngram_keeps_a_ban_that_thousands_of_windows_name(fd_config):
+def test_no_repeat_ngram_keeps_a_ban_that_thousands_of_windows_name(context):
     """Thousands of windows name the same (row, token), half of them hits. The processor used to
     add -inf and 0 with an accumulating index_put_, whose CPU kernel races on repeated indices
     (a direct check lost the -inf in 37 of 200 trials); the mask it writes now is idempotent."""
     paddle.base.core.set_num_threads(max(2, len(os.sched_getaffinity(0))))  # as the engine runs
-    proc = resolve_processor("NoRepeatNGramLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+    proc = build_processor(resolve_processor("NoRepeatNGramLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [1, 5, 2, 5] * 1000 + [1], {"no_repeat_ngram_size": 2})  # "1 5" bans 5; "2 5" does not
     proc.update_state(batch.share)
     for _ in range(30):
         assert banned(proc.apply(paddle.zeros([1, 1024])).numpy()[0]) == [5]
 
 
-def test_no_repeat_ngram_bans_across_the_prompt_output_boundary(fd_config):
-    proc = resolve_processor("NoRepeatNGramLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_no_repeat_ngram_bans_across_the_prompt_output_boundary(context):
+    proc = build_processor(resolve_processor("NoRepeatNGramLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [1, 2, 3, 9, 1], {"no_repeat_ngram_size": 3})
     rows = drive(proc, batch, [2, 4, 9, 1])
     assert banned(rows[0]) == []           # history ...9 1: "9 1" not seen before as a prefix
@@ -200,9 +200,9 @@ def test_no_repeat_ngram_bans_across_the_prompt_output_boundary(fd_config):
     assert banned(proc.apply(paddle.zeros([1, 1024])).numpy()[0]) == [2]
 
 
-def test_multi_token_bad_words_are_banned_only_as_a_whole_sequence(fd_config):
-    proc = resolve_processor("BadWordsLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_multi_token_bad_words_are_banned_only_as_a_whole_sequence(context):
+    proc = build_processor(resolve_processor("BadWordsLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [4, 7], {"bad_words_token_ids": [[7, 8, 9], [3]]})
     rows = drive(proc, batch, [8, 1, 7, 8])
     assert banned(rows[0]) == [3]          # ...7: "7 8 9" not yet completable
@@ -213,10 +213,10 @@ def test_multi_token_bad_words_are_banned_only_as_a_whole_sequence(fd_config):
     assert banned(proc.apply(paddle.zeros([1, 1024])).numpy()[0]) == [3, 9]
 
 
-def test_bad_words_tokenizes_words_with_and_without_a_leading_space(fd_config):
-    tok = fd_config.tokenizer
-    proc = resolve_processor("BadWordsLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_bad_words_tokenizes_words_with_and_without_a_leading_space(context):
+    tok = context.tokenizer
+    proc = build_processor(resolve_processor("BadWordsLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [5], {"bad_words": ["e"]})
     proc.update_state(batch.share)
     out = proc.apply(paddle.zeros([1, 1024])).numpy()[0]
@@ -228,30 +228,30 @@ def forced(row):
     return int(finite[0]) if len(finite) == 1 else None
 
 
-def test_thinking_budget_forces_stop_sentence_then_close_after_the_budget(fd_config):
-    tok = fd_config.tokenizer
-    proc = resolve_processor("ThinkingBudgetLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_thinking_budget_forces_stop_sentence_then_close_after_the_budget(context):
+    tok = context.tokenizer
+    proc = build_processor(resolve_processor("ThinkingBudgetLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [5] + tok.encode("<think>"), {"thinking_budget": 3, "think_stop_sentence": "ok."})
     plan = tok.encode("ok.") + tok.encode("</think>")
     rows = drive(proc, batch, [11, 12, 13] + plan + [14, 15])
     assert [forced(r) for r in rows] == [None] * 3 + plan + [None, None]
 
 
-def test_thinking_budget_counts_from_a_think_opened_in_the_output(fd_config):
-    tok = fd_config.tokenizer
-    proc = resolve_processor("ThinkingBudgetLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_thinking_budget_counts_from_a_think_opened_in_the_output(context):
+    tok = context.tokenizer
+    proc = build_processor(resolve_processor("ThinkingBudgetLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, [5, 6], {"thinking_budget": 1})
     opening, close = tok.encode("<think>"), tok.encode("</think>")
     rows = drive(proc, batch, [20] + opening + [21] + close + [22])
     assert [forced(r) for r in rows] == [None] * (1 + len(opening) + 1) + close + [None]
 
 
-def test_thinking_budget_leaves_closed_thinking_alone(fd_config):
-    tok = fd_config.tokenizer
-    proc = resolve_processor("ThinkingBudgetLogitsProcessor")(fd_config)
-    batch = HandBatch(fd_config)
+def test_thinking_budget_leaves_closed_thinking_alone(context):
+    tok = context.tokenizer
+    proc = build_processor(resolve_processor("ThinkingBudgetLogitsProcessor"), context)
+    batch = HandBatch(context)
     batch.place(0, tok.encode("<think>") + [7] + tok.encode("</think>"), {"thinking_budget": 0})
     assert [forced(r) for r in drive(proc, batch, [1, 2, 3])] == [None] * 3
     batch.free(0)  # thinking the model closed itself, before the budget
@@ -271,16 +271,16 @@ def test_thinking_budget_uses_single_think_tokens_when_the_vocabulary_has_them()
     assert marker_ids(Vocab(), "<think>") == [1000] and marker_ids(Vocab(), "</think>") == [1001]
 
 
-def test_registration_order_matters_for_processors_that_do_not_commute(fd_config):
+def test_registration_order_matters_for_processors_that_do_not_commute(context):
     """Forcing sets the forced token's logit; a bias adds to it: bias→force != force→bias."""
-    tok = fd_config.tokenizer
+    tok = context.tokenizer
     close = tok.encode("</think>")
     args = {"thinking_budget": 0, "logit_bias": {close[0]: 5.0}}
     results = []
     for names in (["LogitBiasLogitsProcessor", "ThinkingBudgetLogitsProcessor"],
                   ["ThinkingBudgetLogitsProcessor", "LogitBiasLogitsProcessor"]):
-        pipeline = LogitsProcessorPipeline(fd_config, names)
-        batch = HandBatch(fd_config)
+        pipeline = LogitsProcessorPipeline(context, names)
+        batch = HandBatch(context)
         batch.place(2, tok.encode("<think>"), args)
         pipeline.update_state(batch.share)
         out, failures = pipeline.apply(paddle.zeros([1, 1024]), batch.share, all_greedy=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-from processor_harness import HandBatch, fd_config_for
+from processor_harness import HandBatch, context_for
 from test_processors_engine import PROMPTS, generate, greedy, make_llm
 
 from fastdeploy_lp import SamplingParams
@@ -22,8 +22,8 @@ NEG_INF = np.float32(-np.inf)
 
 
 @pytest.fixture(scope="module")
-def fd_config():
-    return fd_config_for("qwen3")
+def context():
+    return context_for("qwen3")
 
 
 # -- the contract --------------------------------------------------------------------------------
@@ -38,15 +38,15 @@ def test_a_processor_without_update_state_is_refused_at_start_up():
         resolve_processors(["custom_processors:MissingUpdateState"])
 
 
-def test_guided_decoding_is_on_exactly_when_a_processor_serves_it(fd_config):
+def test_guided_decoding_is_on_exactly_when_a_processor_serves_it(context):
     class Serves(LogitsProcessor):
         serves_guided_decoding = True
 
         def update_state(self, share_inputs):
             pass
 
-    assert not LogitsProcessorPipeline(fd_config, ["LogitBiasLogitsProcessor"]).serves_guided_decoding
-    assert LogitsProcessorPipeline(fd_config, [], leading=[Serves(fd_config)]).serves_guided_decoding
+    assert not LogitsProcessorPipeline(context, ["LogitBiasLogitsProcessor"]).serves_guided_decoding
+    assert LogitsProcessorPipeline(context, [], leading=[Serves(context.config)]).serves_guided_decoding
     llm = make_llm([])  # guided_decoding_backend="off"
     with pytest.raises(ValueError, match="^guided_decoding: guided decoding is off"):
         llm.generate([PROMPTS[0]], SamplingParams(guided_decoding=_json_object()), use_tqdm=False)
@@ -57,8 +57,8 @@ def _json_object():
     return GuidedDecodingParams(json_object=True)
 
 
-def test_batch_tracker_reports_joins_leaves_slot_reuse_and_moved_rows(fd_config):
-    batch, tracker = HandBatch(fd_config), BatchTracker()
+def test_batch_tracker_reports_joins_leaves_slot_reuse_and_moved_rows(context):
+    batch, tracker = HandBatch(context), BatchTracker()
     a, b, c = batch.place(0, [5]), batch.place(3, [6], {"logit_bias": {"5": 1.0}}), batch.place(7, [7])
     first = tracker.update(batch.share)
     assert [(r.slot, r.row, r.req_id) for r in first.added] == [(0, 0, a), (3, 1, b), (7, 2, c)]
@@ -225,10 +225,10 @@ def test_request_logit_bias_and_bad_words_apply_after_the_penalties():
         np.testing.assert_allclose(list(logprob.top.values()), ref[top], atol=1e-4)
 
 
-def test_sampling_params_stage_fails_only_its_requests_and_leaves_other_rows_alone(fd_config):
+def test_sampling_params_stage_fails_only_its_requests_and_leaves_other_rows_alone(context):
     """The stage is a pipeline stage: rows of requests that set neither field come back bit for bit."""
-    pipeline = LogitsProcessorPipeline(fd_config, [])
-    batch = HandBatch(fd_config)
+    pipeline = LogitsProcessorPipeline(context, [])
+    batch = HandBatch(context)
     batch.place(1, [5, 7])
     batch.place(4, [5, 7])
     batch.share["sampling_params"][1] = SamplingParams(logit_bias={3: 2.5}, bad_words=["ab"])
@@ -240,7 +240,7 @@ def test_sampling_params_stage_fails_only_its_requests_and_leaves_other_rows_alo
     assert not failures and out[1].tobytes() == x[1].tobytes()
     expected = x[0].copy()
     expected[3] += np.float32(2.5)
-    for seq in word_sequences(fd_config.tokenizer, ["ab"]):
+    for seq in word_sequences(context.tokenizer, ["ab"]):
         if len(seq) == 1 or [7] == seq[:-1]:
             expected[seq[-1]] = NEG_INF
     np.testing.assert_array_equal(out[0], expected)

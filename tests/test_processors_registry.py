@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 from conftest import fixture_dir
-from processor_harness import BUILTINS, fd_config_for
+from processor_harness import BUILTINS, context_for
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.processors import BUILTIN_PROCESSORS, LogitsProcessorPipeline, ProcessorLoadError, resolve_processors
 
 
 @pytest.fixture(scope="module")
-def fd_config():
-    return fd_config_for("qwen3")
+def context():
+    return context_for("qwen3")
 
 
 def assert_lists_builtins(message: str):
@@ -80,8 +80,8 @@ def test_every_builtin_resolves_to_its_class():
     ({"thinking_budget": 1.5}, "thinking_budget", "valid integer"),
     ({"think_stop_sentence": "Stop."}, "think_stop_sentence", "think_stop_sentence needs thinking_budget"),
 ])
-def test_bad_args_are_a_value_error_naming_the_key_and_the_registered_processors(args, key, why, fd_config):
-    pipeline = LogitsProcessorPipeline(fd_config, BUILTINS)
+def test_bad_args_are_a_value_error_naming_the_key_and_the_registered_processors(args, key, why, context):
+    pipeline = LogitsProcessorPipeline(context, BUILTINS)
     with pytest.raises(ValueError) as err:
         pipeline.validate_args(args)
     message = str(err.value)
@@ -89,8 +89,8 @@ def test_bad_args_are_a_value_error_naming_the_key_and_the_registered_processors
     assert f"registered processors: {', '.join(BUILTINS)}" in message
 
 
-def test_args_are_normalised_for_the_processors(fd_config):
-    args = LogitsProcessorPipeline(fd_config, BUILTINS).validate_args(
+def test_args_are_normalised_for_the_processors(context):
+    args = LogitsProcessorPipeline(context, BUILTINS).validate_args(
         {"logit_bias": {"7": 2}, "no_repeat_ngram_size": 3})
     assert args.logit_bias == {7: 2.0} and args["no_repeat_ngram_size"] == 3 and args.get("bad_words") is None
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from processor_harness import HandBatch, fd_config_for
+from processor_harness import HandBatch, context_for
 
 from fastdeploy_lp.processors.token_history import TokenHistory
 
 
 @pytest.fixture(scope="module")
-def fd_config():
-    return fd_config_for("qwen3")
+def context():
+    return context_for("qwen3")
 
 
 def assert_mirrors(history, batch):
@@ -24,8 +24,8 @@ def assert_mirrors(history, batch):
         assert history.tails(np.array([slot]), k)[0].tolist() == ([-1] * k + expected)[-k:]
 
 
-def test_follows_steps_jumps_reuse_and_growth_and_is_idempotent(fd_config):
-    batch, rng = HandBatch(fd_config), np.random.default_rng(0)
+def test_follows_steps_jumps_reuse_and_growth_and_is_idempotent(context):
+    batch, rng = HandBatch(context), np.random.default_rng(0)
     history = TokenHistory(capacity=16, device=True)
     batch.place(0, [1, 2, 3])
     batch.place(6, [4])

@@ -24,12 +24,15 @@ class ForceText(LogitsProcessor):
     """Test stand-in for a model that writes calls: forces `force_text[i]` once the output holds
     i results."""
 
-    def __init__(self, fd_config):
+    uses_engine_context = True
+
+    def __init__(self, fd_config, context):
         super().__init__(fd_config)
+        self.tokenizer = context.tokenizer
         self.forced: dict[str, int] = {}
 
     def update_state(self, share_inputs):
-        tok = self.fd_config.tokenizer
+        tok = self.tokenizer
         for slot, stopped in enumerate(share_inputs["stop_flags"]):
             rid, args = share_inputs["req_ids"][slot], share_inputs["logits_processors_args"][slot]
             if stopped or not args.force_text:

@@ -69,7 +69,7 @@ class OpenAIServing:
     def custom_backend(self, req) -> CustomBackend | None:
         """The custom backend this request runs under (its own choice, else the server default)."""
         fd_config = self.engine.engine.fd_config
-        backends = fd_config.custom_guided_decoding_backends
+        backends = self.engine.engine.context.custom_guided_decoding_backends
         name, field = req.requested_backend()
         if name is None:
             name = fd_config.guided_decoding_backend

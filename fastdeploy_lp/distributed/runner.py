@@ -142,7 +142,7 @@ class TensorParallelRunner:
         self._callbacks = []
         self._fail_lock = threading.Lock()
         shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
-        spec = WorkerSpec.of(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
+        spec = WorkerSpec(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
         started = time.monotonic()
         backend = _spawn_options(fd_config.device, self.size)["backend"]
         try:

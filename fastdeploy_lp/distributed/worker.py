@@ -37,17 +37,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkerSpec:
-    """What a rank needs to build its runner: the engine's `FDConfig` without its runtime objects
-    (the tokenizer, tools and custom backends stay in the driver)."""
+    """What a rank needs to build its runner: the engine's `FDConfig`, values only (the tokenizer,
+    tools and custom backends are in the driver's `EngineContext`, which never leaves it)."""
 
     fd_config: FDConfig
     logits_buffer: str  # name of the driver's shared memory block for rank 0's logits
     log_level: int
-
-    @classmethod
-    def of(cls, fd_config: FDConfig, logits_buffer: str, log_level: int) -> "WorkerSpec":
-        config = dataclasses.replace(fd_config, tokenizer=None, tool_functions={}, custom_guided_decoding_backends={})
-        return cls(fd_config=config, logits_buffer=logits_buffer, log_level=log_level)
 
 
 def _error(e: BaseException) -> tuple:

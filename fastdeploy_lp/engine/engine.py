@@ -33,22 +33,24 @@ from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
+from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
 from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline, ProcessorResults
 from fastdeploy_lp.sampling_params import SamplingParams
-from fastdeploy_lp.tokenizer import IncrementalDetokenizer, Tokenizer
+from fastdeploy_lp.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def leading_processors(fd_config: FDConfig) -> list:
+def leading_processors(context: EngineContext) -> list:
     """Processors the engine installs ahead of the registered ones: guided decoding (unless its
     backend is "off") and, when custom backends are loaded, the adapter that runs theirs."""
+    fd_config = context.config
     leading = []
     if fd_config.guided_decoding_backend != "off":
-        leading.append(GuidedDecodingLogitsProcessor(fd_config))
-    if fd_config.custom_guided_decoding_backends:
+        leading.append(GuidedDecodingLogitsProcessor(fd_config, context))
+    if context.custom_guided_decoding_backends:
         leading.append(RequestLogitsProcessorAdapter(fd_config))
     return leading
 
@@ -70,11 +72,16 @@ def build_runner(fd_config: FDConfig) -> ModelRunner | TensorParallelRunner:
 
 
 class LLMEngine:
-    def __init__(self, fd_config: FDConfig):
+    """`context` holds the runtime objects beside `fd_config` (tokenizer, tool functions, custom
+    backends); without one, the checkpoint's tokenizer and no tools or backends."""
+
+    def __init__(self, fd_config: FDConfig, context: EngineContext | None = None):
+        if context is not None and context.config is not fd_config:
+            raise ValueError("context: must be the EngineContext of this fd_config")
         self.fd_config = fd_config
+        self.context = context or EngineContext.load(fd_config)
         cfg = fd_config.model_config
-        self.tokenizer = Tokenizer(cfg.model)
-        fd_config.tokenizer = self.tokenizer
+        self.tokenizer = self.context.tokenizer
         eos = list(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -82,8 +89,8 @@ class LLMEngine:
         self.runner = build_runner(fd_config)
         cache = fd_config.cache_config
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.pipeline = LogitsProcessorPipeline(fd_config, fd_config.logits_processors,
-                                                leading=leading_processors(fd_config))
+        self.pipeline = LogitsProcessorPipeline(self.context, fd_config.logits_processors,
+                                                leading=leading_processors(self.context))
         self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
                                        cache.enable_chunked_prefill)
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)

@@ -13,6 +13,7 @@ from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.request import RequestOutput
 from fastdeploy_lp.options import options, signature_of
 from fastdeploy_lp.processors.builtin.tool_execution import load_tool_functions
+from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.custom_backends import load_custom_backends
 from fastdeploy_lp.reasoning import get_reasoning_parser
 from fastdeploy_lp.sampling_params import SamplingParams
@@ -46,9 +47,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     get_reasoning_parser(args.reasoning_parser)  # an unknown name fails here, naming the choices
     tools = load_tool_functions(args.tool_functions)
     fd_config = args.create_engine_config()
-    fd_config.custom_guided_decoding_backends = dict(custom)
-    fd_config.tool_functions = tools
-    return LLMEngine(fd_config)
+    return LLMEngine(fd_config, EngineContext.load(fd_config, tools, custom))
 
 
 def _engine_args(args: tuple, kwargs: dict[str, Any]) -> EngineArgs:

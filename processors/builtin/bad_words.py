@@ -25,8 +25,10 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.tensor_ops import fill_at
 from fastdeploy_lp.processors.token_history import TokenHistory
 from fastdeploy_lp.processors.validation import check_token_ids
@@ -101,9 +103,11 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     ```
     """
     args_model = BadWordsArgs
+    uses_engine_context = True  # the tokenizer spells the banned words
 
-    def __init__(self, fd_config):
+    def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
+        self.tokenizer = context.tokenizer
         self._batch = BatchTracker()
         self._history = TokenHistory()
         self._single = RowEntries()          # (row, token) banned whatever the history
@@ -129,7 +133,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         """A joining request's banned sequences (tokenized once per request): the last token of
         each, and the tokens before it, right-aligned (-2 = none)."""
         args = request.args
-        seqs = word_sequences(self.fd_config.tokenizer, args.bad_words or []) + list(args.bad_words_token_ids or [])
+        seqs = word_sequences(self.tokenizer, args.bad_words or []) + list(args.bad_words_token_ids or [])
         if not seqs:
             return None
         width = max(len(seq) for seq in seqs) - 1

@@ -24,8 +24,10 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
+from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
+from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.tensor_ops import fill_at, index_tensor
 from fastdeploy_lp.processors.token_history import TokenHistory
 
@@ -93,10 +95,11 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
     ```
     """
     args_model = ThinkingBudgetArgs
+    uses_engine_context = True  # the tokenizer: <think> markers and stop sentences
 
-    def __init__(self, fd_config):
+    def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
-        tokenizer = fd_config.tokenizer
+        self.tokenizer = tokenizer = context.tokenizer
         self._open = np.array(marker_ids(tokenizer, "<think>"), np.int64)
         self._close = np.array(marker_ids(tokenizer, "</think>"), np.int64)
         self._batch = BatchTracker()
@@ -135,7 +138,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
         args = request.args
         if args.thinking_budget is None:
             return None
-        sentence = self.fd_config.tokenizer.encode(args.think_stop_sentence) if args.think_stop_sentence else []
+        sentence = self.tokenizer.encode(args.think_stop_sentence) if args.think_stop_sentence else []
         forced = list(sentence) + self._close.tolist()
         return {"budget": np.array([args.thinking_budget], np.int64), "count": np.array([len(forced)], np.int64),
                 "forced": np.array([forced], np.int64)}

@@ -27,8 +27,10 @@ from typing import Callable
 
 from pydantic import BaseModel, Field
 
+from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.processors.base import LogitsProcessor, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker
+from fastdeploy_lp.processors.context import EngineContext
 
 logger = logging.getLogger(__name__)
 _RESULTS_START, _RESULTS_END = "<results>", "</results>"
@@ -116,15 +118,16 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
     """
     args_model = ToolExecutionArgs
     argmax_invariant = True  # it never edits logits: results arrive as forced tokens
+    uses_engine_context = True  # the operator's tool functions, and the tokenizer
 
     @classmethod
     def is_enabled_by(cls, args, params=None) -> bool:
         return bool(args.tool_execution)
 
-    def __init__(self, fd_config):
+    def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
-        self.functions = getattr(fd_config, "tool_functions", None) or {}
-        self.tokenizer = fd_config.tokenizer
+        self.functions = context.tool_functions
+        self.tokenizer = context.tokenizer
         self._batch = BatchTracker()
         self._calls: dict[int, _SlotCalls] = {}  # per enabled slot: its settings, output already searched
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tool-call")

@@ -43,8 +43,10 @@ import numpy as np
 import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker
+from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
 from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, JsonSyntax, LengthCloser
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
@@ -53,7 +55,6 @@ from fastdeploy_lp.processors.guided.grammar_text import clean_error
 from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
 from fastdeploy_lp.reasoning import ReasoningState, get_reasoning_parser
 from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
-from fastdeploy_lp.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -192,16 +193,14 @@ class _SlotMatcher:
 
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
     serves_guided_decoding = True
+    uses_engine_context = True  # grammars compile against the engine's tokenizer
 
-    def __init__(self, fd_config):
+    def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
         self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
         self.close_on_length = bool(getattr(fd_config, "guided_close_on_length", False))
         self._closing_search: ClosingSearch | None = None
-        tokenizer = fd_config.tokenizer
-        if tokenizer is None:
-            tokenizer = Tokenizer(fd_config.model_config.model)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = context.tokenizer
         self.reasoning = get_reasoning_parser(getattr(fd_config, "reasoning_parser", None))
         if self.reasoning is not None:
             self._start_ids = tokenizer.encode(self.reasoning.start, add_special_tokens=False)
