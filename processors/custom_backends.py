@@ -201,7 +201,7 @@ class RequestLogitsProcessorAdapter(LogitsProcessor):
     def __init__(self, fd_config):
         super().__init__(fd_config)
         self._rows: list[tuple[int, int, Callable, contextvars.Context, list[int], str]] = []
-        self._timeout_s = getattr(fd_config, "logits_processor_timeout_s", None)
+        self._timeout_s = fd_config.logits_processor_timeout_s
         self._worker = _DaemonWorker()
 
     @classmethod

@@ -197,11 +197,11 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
-        self.whitespace_pattern = getattr(fd_config, "guided_whitespace_pattern", None)
-        self.close_on_length = bool(getattr(fd_config, "guided_close_on_length", False))
+        self.whitespace_pattern = fd_config.guided_whitespace_pattern
+        self.close_on_length = fd_config.guided_close_on_length
         self._closing_search: ClosingSearch | None = None
         self.tokenizer = tokenizer = context.tokenizer
-        self.reasoning = get_reasoning_parser(getattr(fd_config, "reasoning_parser", None))
+        self.reasoning = get_reasoning_parser(fd_config.reasoning_parser)
         if self.reasoning is not None:
             self._start_ids = tokenizer.encode(self.reasoning.start, add_special_tokens=False)
         eos = list(fd_config.model_config.eos_token_ids)
