@@ -19,6 +19,7 @@ from fastdeploy_lp.distributed.checks import check_tensor_parallel
 from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
 from fastdeploy_lp.options import non_negative_float, option, port_number, positive_float, positive_int
 from fastdeploy_lp.reasoning import REASONING_PARSERS
+from fastdeploy_lp.speculative_config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class FDConfig:
     guided_close_on_length: bool
     reasoning_parser: str | None
     tensor_parallel_size: int
+    speculative_config: SpeculativeConfig | None  # None: no speculative decoding
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -192,6 +194,12 @@ class EngineArgs:
         None, "A dict of name -> callable that ToolExecutionLogitsProcessor may run when the model writes "
               "<function>name(args)</function>, as 'pkg.module:REGISTRY' (or, offline, the dict). Requests never "
               "name code.", group=DECODING, metavar="pkg.module:REGISTRY")
+    speculative_config: str | dict | None = option(
+        None, "Speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} drafts the tokens that followed the latest "
+              "match of the last n tokens in prompt + output and verifies them in one pass; outputs stay exactly "
+              "those of plain decoding. Default: off. See docs/speculative_decoding.md.", group=DECODING,
+        parse=parse_speculative_config, metavar="JSON")
     block_size: int = option(16, "Tokens per KV cache block.", group=CACHE, parse=positive_int, metavar="N")
     kv_cache_memory: float = option(4.0, "KV cache size on CPU, in GiB (never more than max_num_seqs full-length "
                                          "sequences need).", group=CACHE, parse=positive_float, metavar="GIB")
@@ -240,7 +248,8 @@ class EngineArgs:
                         cpu_threads=self.cpu_threads, logits_processor_timeout_s=timeout or None,
                         guided_whitespace_pattern=self.guided_whitespace_pattern,
                         guided_close_on_length=self.guided_close_on_length,
-                        reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size)
+                        reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
+                        speculative_config=SpeculativeConfig.from_value(self.speculative_config))
 
 
 def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:

@@ -21,6 +21,18 @@ Example (the FastDeploy example, unchanged but for the package name):
                     logits[i] = ...
             return logits
 
+Speculative decoding (docs/speculative_decoding.md). A verify pass scores a request's k drafted
+tokens and the position after them at once. A processor with `supports_speculation = True` sees
+each draft position as a plain step would have shown it: after the step's own `update_state` and
+`apply` (depth 0, every active slot), once per depth d = 1..k it gets `update_state` with
+`share_inputs` in which the slots with at least d drafts are active and their `output_ids`,
+`step_idx` and `next_tokens` hold the first d drafts (the other slots read as stopped), then
+`apply` on those slots' rows at that position, in slot order. Then `update_state` once more with
+the step's real state (rejected drafts are gone; accepted tokens arrive with the next step, as
+several tokens at once). Forced tokens or an exception at a depth only stop acceptance there.
+A processor without it (the default) is never shown a draft: the requests that enable it decode
+without speculation.
+
 A processor that keeps per-request state asks a `BatchTracker` (`batch_state.py`) what changed
 since its previous step — a `BatchUpdate`: requests added, removed, and rows moved — and updates
 only that, as vLLM's v1 processors do.
@@ -150,6 +162,9 @@ class LogitsProcessor(ABC):
         against it before admission; a request enables the processor by setting any of them.
       * `argmax_invariant`: True if `apply` never changes which token has the highest logit
         (then it is skipped for all-greedy batches).
+      * `supports_speculation`: True if `apply` is a function of each row's `share_inputs`
+        history alone, so it can be shown draft positions (module docstring); requests that enable
+        a processor without it decode without speculative decoding.
       * `serves_guided_decoding`: True for the processor that enforces
         `SamplingParams.guided_decoding` (the engine accepts such requests only if one is installed).
       * `uses_engine_context`: True if it needs the engine's runtime objects (the tokenizer, tool
@@ -160,6 +175,7 @@ class LogitsProcessor(ABC):
     args_model: ClassVar[type[BaseModel] | None] = None
     argmax_invariant: ClassVar[bool] = False
     serves_guided_decoding: ClassVar[bool] = False
+    supports_speculation: ClassVar[bool] = False
     uses_engine_context: ClassVar[bool] = False
 
     def __init__(self, fd_config) -> None:

@@ -78,6 +78,7 @@ class LogitsProcessorPipeline:
         self.sampling_stage = _Stage([build_processor(cls, context) for cls in stage], names, context)
         self._open = any(type(p).declared_keys() is None for p in processors)
         self._view = StepView()
+        self._draft_view = StepView()  # the draft depths' views, kept apart from the step's own
         self._sampling_args: list[ReadOnlyArgs] = []  # per slot: its SamplingParams fields as args
         self._sampling_admissions = np.zeros(0, dtype=np.int64)  # ... of the admission they were read for
 
@@ -176,6 +177,33 @@ class LogitsProcessorPipeline:
         failures: dict[int, str] = {}
         return self.sampling_stage.apply(logits, self._sampling_view(share_inputs), all_greedy, failures), failures
 
+    # -- the draft depths of a speculative verify pass (engine/stages.py: run_by_depth) -----------
+    def speculation_blockers(self, args, params) -> list[str]:
+        """The processors a request with these args and params enables that cannot take part in
+        speculative decoding (`LogitsProcessor.supports_speculation`): it decodes without drafts."""
+        return [name for stage in (self.registered, self.sampling_stage)
+                for name, p in zip(stage.names, stage.processors)
+                if not type(p).supports_speculation and type(p).is_enabled_by(args, params)]
+
+    def apply_draft_depth(self, logits: paddle.Tensor, draft_inputs: ShareInputs, all_greedy: bool,
+                          sampling_params: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+        """The rows of one draft depth through the registered processors (or, with `sampling_params`,
+        the request-level logit_bias / bad_words stage) that take part, shown `draft_inputs`;
+        returns the logits and {slot: why} for rows that cannot be used."""
+        stage, inputs = self._stage_inputs(draft_inputs, sampling_params)
+        return stage.apply_draft(logits, inputs, self._draft_view.build(inputs), all_greedy)
+
+    def restore_after_drafts(self, share_inputs: ShareInputs, sampling_params: bool) -> dict[int, str]:
+        """Bring the processors that saw draft depths back to the step's real `share_inputs`;
+        returns {slot: error} for the requests of a processor that failed to."""
+        stage, inputs = self._stage_inputs(share_inputs, sampling_params)
+        return stage.restore(inputs, self._draft_view.build(inputs))
+
+    def _stage_inputs(self, share_inputs: ShareInputs, sampling_params: bool) -> tuple[_Stage, ShareInputs]:
+        if sampling_params:
+            return self.sampling_stage, self._sampling_view(share_inputs)
+        return self.registered, share_inputs
+
     def _sampling_view(self, share_inputs: ShareInputs) -> ShareInputs:
         """`share_inputs` as the sampling stage sees it: each slot's args are its request's
         `SamplingParams` fields that the stage applies, read once per admission."""
@@ -205,6 +233,7 @@ class _Stage:
         self.vocab_size = min(fd_config.model_config.vocab_size, context.tokenizer.vocab_size)
         self._enabled: list[bool] = [False] * len(processors)
         self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
+        self._drafted = [False] * len(processors)  # saw a draft depth this step: restore() is due
 
     def update_state(self, share_inputs: ShareInputs, view: dict, queues: list[list[int]],
                      failures: dict[int, str]) -> None:
@@ -260,10 +289,7 @@ class _Stage:
         for i in todo:
             start = time.perf_counter()
             try:
-                out = self.processors[i].apply(logits)
-                if not isinstance(out, paddle.Tensor) or out.shape != logits.shape:
-                    raise TypeError(f"apply() must return the logits tensor of shape {logits.shape}")
-                logits = out
+                logits = _applied(self.processors[i], logits)
             except BaseException as e:
                 if not _raised(e):
                     raise
@@ -277,6 +303,51 @@ class _Stage:
             self._step_seconds[i] += elapsed
             self._check_time(i, rows, failures)
         return logits
+
+    def apply_draft(self, logits: paddle.Tensor, share_inputs: ShareInputs, view: dict,
+                    all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+        """One draft depth: each processor that takes part and serves a row here gets `update_state`
+        on `view`, then `apply`. One that raises, or forces tokens, makes its rows here unusable
+        ({slot: why}): plain decoding might not have sampled there, so acceptance stops before them."""
+        unusable: dict[int, str] = {}
+        rows = _active_rows(share_inputs)
+        for i, p in enumerate(self.processors):
+            enabled = self._enabled_slots(i, rows)
+            if not enabled or not type(p).supports_speculation:
+                continue
+            self._drafted[i] = True
+            mine = StepView.for_processor(view, [[] for _ in share_inputs["stop_flags"]])
+            published, start = mine["forced_tokens"], time.perf_counter()
+            try:
+                p.update_state(mine)
+                forced = {slot for slot, queue in enumerate(published) if queue}
+                for slot in (forced if forced <= enabled else enabled):
+                    unusable.setdefault(slot, f"logits processor {self.names[i]} forced tokens here")
+                if not (all_greedy and type(p).argmax_invariant):
+                    logits = _applied(p, logits)
+            except BaseException as e:
+                if not _raised(e):
+                    raise
+                for slot in enabled:
+                    unusable.setdefault(slot, f"logits processor {self.names[i]} failed at a draft: {e}")
+            self.timings[self.names[i]].apply_seconds += time.perf_counter() - start
+        return logits, unusable
+
+    def restore(self, share_inputs: ShareInputs, view: dict) -> dict[int, str]:
+        """`update_state` on the step's real state for each processor that saw a draft depth (its
+        forced tokens are ignored: the step's own round took them); {slot: error} of those that raise."""
+        failures: dict[int, str] = {}
+        rows = _active_rows(share_inputs)
+        for i in [i for i, drafted in enumerate(self._drafted) if drafted]:
+            self._drafted[i] = False
+            queues = [list(q) for q in share_inputs["forced_tokens"]]
+            try:
+                self.processors[i].update_state(StepView.for_processor(view, queues))
+            except BaseException as e:
+                if not _raised(e):
+                    raise
+                self._record_failure(i, e, rows, failures)
+        return failures
 
     def _check_time(self, i, rows, failures) -> None:
         """Fail the requests that enabled processor i if it has used more than its time this step.
@@ -320,6 +391,14 @@ class _Stage:
     def _fail_enabled(self, i, rows, message, failures) -> None:
         for slot in self._enabled_slots(i, rows):
             failures.setdefault(slot, message)
+
+
+def _applied(processor: LogitsProcessor, logits: paddle.Tensor) -> paddle.Tensor:
+    """`processor.apply(logits)`, which must return a tensor of the logits' shape."""
+    out = processor.apply(logits)
+    if not isinstance(out, paddle.Tensor) or out.shape != logits.shape:
+        raise TypeError(f"apply() must return the logits tensor of shape {logits.shape}")
+    return out
 
 
 def _active_rows(share_inputs: ShareInputs) -> list[tuple[int, LogitsProcessorArgs, object]]:

@@ -18,6 +18,11 @@
 | fastdeploy_lp:prefix_cache_hits_total               | counter   | of those, found cached                      |
 | fastdeploy_lp:prefix_cache_hit_rate                 | gauge     | hits / queries since start                  |
 | fastdeploy_lp:num_preemptions_total                 | counter   | requests preempted for KV blocks            |
+| fastdeploy_lp:spec_decode_draft_tokens_total{method}    | counter | drafted tokens verified (speculation on)  |
+| fastdeploy_lp:spec_decode_accepted_tokens_total{method} | counter | of those, accepted                        |
+| fastdeploy_lp:spec_decode_acceptance_rate{method}       | gauge   | accepted / drafted since start            |
+| fastdeploy_lp:spec_decode_verify_passes_total{method}   | counter | request-steps that verified drafts        |
+| fastdeploy_lp:spec_decode_requests_not_speculating_total{method} | counter | requests that enabled a processor that cannot take part, decoded without drafts |
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         r.register(_ProcessorTimeCollector(engine))
         r.register(_KVCacheCollector(engine.engine))
+        r.register(_SpeculativeCollector(engine.engine))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
@@ -118,3 +124,28 @@ class _KVCacheCollector:
                 ("num_preemptions", "Requests preempted to free KV cache blocks.",
                  self.engine.scheduler.num_preemptions)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class _SpeculativeCollector:
+    """Speculative decoding's counters per method, read at scrape time (nothing when it is off)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.speculative_stats()
+        if stats["method"] is None:
+            return
+        for name, doc, key, family in (
+                ("spec_decode_draft_tokens", "Drafted tokens verified.", "drafted_tokens", CounterMetricFamily),
+                ("spec_decode_accepted_tokens", "Drafted tokens accepted.", "accepted_tokens", CounterMetricFamily),
+                ("spec_decode_acceptance_rate", "Accepted / drafted tokens since start.", "acceptance_rate",
+                 GaugeMetricFamily),
+                ("spec_decode_verify_passes", "Request-steps that verified drafts.", "verify_passes",
+                 CounterMetricFamily),
+                ("spec_decode_requests_not_speculating", "Requests that enabled a logits processor that cannot "
+                 "take part in speculative decoding (they decode without drafts).", "requests_not_speculating",
+                 CounterMetricFamily)):
+            metric = family(PREFIX + name, doc, labels=["method"])
+            metric.add_metric([stats["method"]], stats[key])
+            yield metric

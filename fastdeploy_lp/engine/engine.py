@@ -30,6 +30,7 @@ from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.engine.speculation import SpeculativeStats, Speculator
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
@@ -95,6 +96,8 @@ class LLMEngine:
                                        cache.enable_chunked_prefill)
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
         self.stages = SamplingStages(self.sampler, self.pipeline, self.scheduler.share_inputs)
+        spec = fd_config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, self.pipeline, self.scheduler)
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pending = 0
@@ -192,6 +195,10 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + self._incoming.qsize()
 
+    def speculative_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters since start (`SpeculativeStats.as_dict`); method None when off."""
+        return (self.speculator.stats if self.speculator else SpeculativeStats(None)).as_dict()
+
     def processor_timings(self) -> dict[str, Any]:
         return {name: vars(t).copy() for name, t in self.pipeline.timings.items()}
 
@@ -211,9 +218,10 @@ class LLMEngine:
         self._prepare(finished)
         running = self.scheduler.running
         chunks = [c for c in chunks if c.request.slot is not None]  # a preempted request's chunk waits
+        drafts = self.speculator.propose(running, chunks) if self.speculator else {}
         if running or chunks:
             try:
-                self._decode(running, chunks, finished)
+                self._decode(running, chunks, finished, drafts)
             except Exception as e:  # no row of this pass can be trusted; the engine itself goes on
                 logger.exception("forward pass failed; failing the %d requests in it", len(running) + len(chunks))
                 self._fail(running + [c.request for c in chunks], e, finished)
@@ -303,21 +311,24 @@ class LLMEngine:
             appended = True
         return appended
 
-    def _decode(self, running: list[Request], chunks: list[Chunk], finished: list[Request]) -> None:
+    def _decode(self, running: list[Request], chunks: list[Chunk], finished: list[Request],
+                drafts: dict[int, list[int]]) -> None:
         # Active requests: every token not in their blocks yet (a prompt's last chunk, one sampled
-        # token, or forced ones), with logits; then prompt chunks of requests still joining, without.
-        feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len), r.cached_len) for r in running]
+        # token, or forced ones) and their drafts, with logits for the last token and each draft;
+        # then prompt chunks of requests still joining, without.
+        feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len) + drafts.get(r.slot, []), r.cached_len,
+                              num_logits=1 + len(drafts.get(r.slot, []))) for r in running]
         feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False) for c in chunks]
         logits = self.runner.forward(feeds, self.block_pool.take_fresh())
         for feed, request in zip(feeds, running + [c.request for c in chunks]):
-            self.scheduler.commit(request, len(feed.tokens))
+            self.scheduler.commit(request, len(feed.tokens) - feed.num_logits + 1)  # drafts: once accepted
         self.last_progress = time.monotonic()
         if not running:
             return
         if self.tokenizer.vocab_size < logits.shape[-1]:
             # Checkpoints pad the embedding matrix past the tokenizer: those ids are no tokens.
             logits[:, self.tokenizer.vocab_size:] = float("-inf")
-        rows = self.stages.run(StepRows.of(logits, running))
+        rows = self.stages.run(StepRows.verify(logits, running, drafts) if drafts else StepRows.of(logits, running))
         now = time.monotonic()
         for row, request in enumerate(running):
             if request.slot in rows.failures:
@@ -326,7 +337,23 @@ class LLMEngine:
                 token = request.forced_queue.pop(0)
                 self._append(request, token, forced_logprob(request, token), now, finished)
             else:
-                self._append(request, int(rows.tokens[row]), rows.logprobs[row], now, finished)
+                self._append_rows(request, rows, rows.emitted(row), now, finished)
+
+    def _append_rows(self, request: Request, rows: StepRows, emitted: list[int], now: float,
+                     finished: list[Request]) -> None:
+        """Append the tokens of a request's `emitted` rows (one per depth) in order, until one
+        finishes it. A token equal to the draft at its depth is an accepted draft: this pass
+        computed its keys and values, so they are committed."""
+        draft = rows.drafts.get(request.slot, [])
+        for depth, row in enumerate(emitted):
+            token = int(rows.tokens[row])
+            self._append(request, token, rows.logprobs[row], now, finished)
+            if depth >= len(draft) or token != draft[depth]:
+                break
+            self.speculator.record_accepted(1)
+            if request.finished:
+                break
+            self.scheduler.commit(request, 1)
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

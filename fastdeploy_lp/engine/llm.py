@@ -111,6 +111,12 @@ class LLM:
         # The template writes any BOS itself, so the tokenizer must not add another.
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
+    def speculative_stats(self) -> dict[str, Any]:
+        """Speculative decoding since this `LLM` started: `method` (None when off), `drafted_tokens`,
+        `accepted_tokens`, `acceptance_rate`, `verify_passes`, `requests_not_speculating` (the
+        numbers /metrics serves)."""
+        return self.engine.speculative_stats()
+
     def _run(self, prompts, sampling_params, use_tqdm, add_special_tokens=True) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

@@ -114,16 +114,23 @@ class Sampler:
 
     # -- stages (their order: engine/stages.py) ----------------------------------------------------
     def penalties(self, rows: StepRows) -> None:
-        """The repetition, frequency and presence penalties of each row's request (float32 logits)."""
+        """The repetition, frequency and presence penalties of each row's request (float32 logits);
+        a draft position's row counts the drafts before it as output."""
         self.flush_counts()
-        rows.logits = self._apply_penalties(rows.logits.astype("float32"), rows.requests)
+        rows.logits = self._apply_penalties(rows.logits.astype("float32"), rows.requests, rows.draft_history())
 
-    def _apply_penalties(self, logits, requests):
+    def _apply_penalties(self, logits, requests, drafts=(np.zeros(0, np.int64), np.zeros(0, np.int64))):
         rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
         if not rows:
             return logits
         slots = paddle.to_tensor([requests[i].slot for i in rows], dtype="int64")
         counts = paddle.index_select(self._counts, slots)
+        local = np.full(len(requests), -1, dtype=np.int64)
+        local[rows] = np.arange(len(rows))
+        draft_rows, penalized = local[drafts[0]], local[drafts[0]] >= 0
+        if penalized.any():
+            counts = add_at(counts, draft_rows[penalized], drafts[1][penalized],
+                            np.ones(int(penalized.sum()), dtype=np.float32))
         seen = paddle.logical_or(counts > 0, paddle.index_select(self._in_prompt, slots))
         column = lambda xs: paddle.to_tensor(xs, dtype="float32").unsqueeze(1)  # noqa: E731
         rep = column([requests[i].params.repetition_penalty for i in rows])

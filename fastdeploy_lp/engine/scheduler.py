@@ -205,6 +205,13 @@ class SlotScheduler:
                 self.preempt(victim)
         return preempted
 
+    def reserve_drafts(self, request: Request, count: int) -> int:
+        """Blocks for `count` drafted positions after `request`'s tokens, taken only from free
+        ones (a draft never preempts anyone); returns how many drafts fit."""
+        if self._grow(request, request.total_len + count):
+            return count
+        return max(0, min(count, len(request.blocks) * self.pool.block_size - request.total_len))
+
     def preempt(self, request: Request) -> None:
         self.free(request)  # its forced tokens still queued (fast-forward off) stay with it, in forced_queue
         request.cached_len = 0

@@ -24,6 +24,7 @@ import paddle
 
 from fastdeploy_lp.engine.request import Logprob, Request
 from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.engine.draft_inputs import draft_share_inputs
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.processors.base import ShareInputs
 from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
@@ -66,8 +67,30 @@ class LogitsProcessors(SamplingStage):
     runs_processors = True
 
     def apply(self, rows: StepRows) -> None:
-        rows.logits, failures = self.pipeline.apply(rows.logits, self.share_inputs, rows.all_greedy)
-        rows.fail_slots(failures)
+        run_by_depth(rows, self.share_inputs, self.pipeline, self.pipeline.apply, sampling_params=False)
+
+
+def run_by_depth(rows: StepRows, share_inputs: ShareInputs, pipeline: LogitsProcessorPipeline, apply,
+                 sampling_params: bool) -> None:
+    """Processors over every row: the depth-0 rows (a plain step's) through `apply` as always; in a
+    verify pass each further depth's rows through the processors that take part in speculation,
+    shown `share_inputs` as of that position (`draft_share_inputs`), and then their state brought
+    back to the step's real one. What fails at a draft depth only ends acceptance there."""
+    groups = rows.depth_groups()
+    parts = []
+    for depth, start, end in groups:
+        logits = rows.logits if len(groups) == 1 else rows.logits[start:end]
+        greedy = all(rows.greedy[start:end])
+        if depth == 0:
+            logits, failures = apply(logits, share_inputs, greedy)
+        else:
+            logits, failures = pipeline.apply_draft_depth(
+                logits, draft_share_inputs(share_inputs, rows.drafts, depth), greedy, sampling_params)
+        rows.fail_slots(failures, depth)
+        parts.append(logits)
+    if len(groups) > 1:
+        rows.fail_slots(pipeline.restore_after_drafts(share_inputs, sampling_params))
+    rows.logits = parts[0] if len(parts) == 1 else paddle.concat(parts)
 
 
 class Penalties(SamplerStage):
@@ -83,8 +106,8 @@ class RequestBiasAndBadWords(SamplingStage):
     runs_processors = True
 
     def apply(self, rows: StepRows) -> None:
-        rows.logits, failures = self.pipeline.apply_sampling_params(rows.logits, self.share_inputs, rows.all_greedy)
-        rows.fail_slots(failures)
+        run_by_depth(rows, self.share_inputs, self.pipeline, self.pipeline.apply_sampling_params,
+                     sampling_params=True)
 
 
 class MinTokens(SamplerStage):
@@ -181,4 +204,6 @@ class SamplingStages:
                 continue
             tokens[i], logprobs[i] = one.tokens[0], one.logprobs[0]
             rows.fail_slots(one.failures)
+            for slot, depth in one.truncated.items():
+                rows.truncate([slot], depth)
         rows.tokens, rows.logprobs = tokens, logprobs

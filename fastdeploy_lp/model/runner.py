@@ -1,9 +1,10 @@
 """The model runner: the decoder, its paged KV cache, and one forward pass per engine step.
 
 A step feeds every scheduled sequence some new tokens: a prompt chunk, one sampled token for a
-running request, or several forced tokens. All of them run in one forward pass; the logits of the
-last new token of each feed that asks for them come back as one `[rows, vocab]` tensor in the
-feeds' order (the engine passes the active slots in increasing slot order: the row convention).
+running request, several forced tokens, or a token and its speculative drafts. All of them run in
+one forward pass; the logits of the last new token (the last `num_logits` for a verify pass) of each
+feed that asks for them come back as one `[rows, vocab]` tensor in the feeds' order (the engine
+passes the active slots in increasing slot order: the row convention).
 
 It sits with the model, below `distributed/`: each tensor-parallel rank runs one, and the engine
 picks it or the tensor-parallel runner (`engine.engine.build_runner`).
@@ -28,12 +29,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SequenceFeed:
     """New tokens of one sequence for a pass: `tokens` go at positions `start..` of its `blocks`
-    (which cover them); `logits` asks for the last token's scores."""
+    (which cover them); `logits` asks for the scores of the last `num_logits` tokens (more than one
+    when a speculative verify pass scores each draft position)."""
 
     blocks: list[int]
     tokens: list[int]
     start: int
     logits: bool = True
+    num_logits: int = 1
 
 
 def use_device(fd_config: FDConfig) -> None:
@@ -147,8 +150,8 @@ class ModelRunner:
 
     @paddle.no_grad()
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
-        """Logits `[feeds asking for them, vocab]` (float32) for the last token of those feeds, in
-        the feeds' order. All feeds run in one pass, laid out group by group (feeds adding the same
+        """Logits `[rows, vocab]` (float32) for the last `num_logits` tokens of the feeds asking for
+        them, in the feeds' order (a feed's rows in position order). All feeds run in one pass, laid out group by group (feeds adding the same
         number of tokens); `fresh_blocks` are zeroed first."""
         order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].tokens))
         ids, last = [], {}
@@ -158,7 +161,7 @@ class ModelRunner:
         batch = AttentionBatch.paged([(feeds[i].blocks, feeds[i].start, len(feeds[i].tokens)) for i in order],
                                      self.block_size, self.kv_heads, self.per_kv, fresh_blocks)
         hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)
-        rows = [last[i] for i, f in enumerate(feeds) if f.logits]
+        rows = [last[i] - f.num_logits + 1 + j for i, f in enumerate(feeds) if f.logits for j in range(f.num_logits)]
         if not rows:
             return paddle.zeros([0, self.model.config.vocab_size], dtype="float32")
         return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64")))

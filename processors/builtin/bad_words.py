@@ -103,6 +103,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     ```
     """
     args_model = BadWordsArgs
+    supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
     uses_engine_context = True  # the tokenizer spells the banned words
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):

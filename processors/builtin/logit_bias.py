@@ -76,6 +76,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     `{"logits_processors_args": {"logit_bias": {"1844": -100}}}` in the request body.
     """
     args_model = LogitBiasArgs
+    supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

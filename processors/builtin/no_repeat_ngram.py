@@ -63,6 +63,7 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
     ```
     """
     args_model = NoRepeatNGramArgs
+    supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -1,0 +1,76 @@
+"""`SpeculativeConfig`: how the engine drafts tokens to verify (docs/speculative_decoding.md).
+
+Given as vLLM's JSON object, `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_max": 4}'` or `LLM(speculative_config={...})`; speculation is off without it.
+Every key is checked here, so a bad value is an error naming the key before any weight loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`ngram` (prompt lookup): match the last n tokens (the longest n from `prompt_lookup_max`
+    down to `prompt_lookup_min`) against the prompt and the output so far, and draft the
+    `num_speculative_tokens` tokens that followed the latest match."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int | None = None  # None: 1 (vLLM's default when only the maximum is given)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
+                                ("prompt_lookup_min", 1, 64)):
+            value = getattr(self, name)
+            if value is None and name == "prompt_lookup_min":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"speculative_config.{name}: must be an integer in {low}..{high}, got {value!r}")
+        if self.min_n > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+
+    @property
+    def min_n(self) -> int:
+        return 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """The config of a JSON string, a dict or a config; None (speculation off) for None or {}."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+        if not value:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config.method: required (one of {', '.join(METHODS)})")
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """The command line's JSON object, checked (argparse reports the error with the flag)."""
+    try:
+        config = SpeculativeConfig.from_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return {} if config is None else json.loads(text)

@@ -1,0 +1,191 @@
+"""Speculative decoding (n-gram drafts) changes how fast tokens come, never which: every test runs
+the same requests on an engine without speculation and one with it, on the built-in model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+
+from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.engine.ngram_proposer import NgramProposer
+from fastdeploy_lp.processors import LogitsProcessor
+from fastdeploy_lp.speculative_config import SpeculativeConfig
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+PROMPTS = ["one two three four one two three four one two three four one two",
+           "The capital of France is Paris. The capital of France is",
+           "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
+           "Tell me about Paris.", "Hello world"]
+BUILTINS = ["LogitBiasLogitsProcessor", "BadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor",
+            "AllowedTokenIdsLogitsProcessor"]
+
+
+class RecordArgs(BaseModel):
+    record: bool | None = None
+
+
+class StepRecorder(LogitsProcessor):
+    """A custom processor that does not declare `supports_speculation`: it records the output
+    length of each request that enabled it at every step it is shown."""
+
+    args_model = RecordArgs
+    seen: list[int] = []
+
+    def update_state(self, share_inputs):
+        active = [s for s, f in enumerate(share_inputs["stop_flags"]) if not f]
+        self.rows = [bool(share_inputs["logits_processors_args"][s]) for s in active]
+        StepRecorder.seen += [int(share_inputs["step_idx"][s]) for s, on in zip(active, self.rows) if on]
+
+    def apply(self, logits):
+        return logits
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(max_num_seqs=8, logits_processors=BUILTINS + ["test_speculative_decoding:StepRecorder"])
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(max_num_seqs=8, logits_processors=BUILTINS + ["test_speculative_decoding:StepRecorder"],
+               speculative_config=SPEC)
+
+
+def run(llm, params, prompts=PROMPTS):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def same_tokens(a, b):
+    return [x.outputs.token_ids for x in a] == [y.outputs.token_ids for y in b]
+
+
+def test_greedy_output_is_token_for_token_the_same_and_drafts_are_accepted(plain, spec):
+    before = spec.engine.speculator.stats.accepted_tokens
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert same_tokens(run(plain, params), run(spec, params))
+    assert spec.engine.speculator.stats.accepted_tokens > before
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_the_same(plain, spec):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=11, max_tokens=48,
+                            ignore_eos=True, logprobs=3, repetition_penalty=1.1, frequency_penalty=0.2,
+                            presence_penalty=0.1, min_tokens=20)
+    a, b = run(plain, params), run(spec, params)
+    assert same_tokens(a, b)
+    for x, y in zip(a, b):
+        assert len(x.outputs.logprobs) == len(y.outputs.logprobs) == len(x.outputs.token_ids)
+        for u, v in zip(x.outputs.logprobs, y.outputs.logprobs):
+            assert u.token_id == v.token_id and abs(u.logprob - v.logprob) < 1e-4
+            assert u.top.keys() == v.top.keys()
+
+
+def test_builtin_processors_see_each_draft_position_as_history(plain, spec, request):
+    before = spec.engine.speculator.stats.verify_passes
+    ids = plain.tokenizer.encode(" the capital")
+    args = [{"no_repeat_ngram_size": 3}, {"bad_words": ["Paris is", "quick brown"]},
+            {"logit_bias": {str(ids[0]): 2.0}}, {"allowed_token_ids": list(range(0, 400))}, {}]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logits_processors_args=a,
+                             bad_words=["fox jumps"]) for a in args]
+    prompts = PROMPTS[:len(args)]
+    assert same_tokens(run(plain, params, prompts), run(spec, params, prompts))
+    assert spec.engine.speculator.stats.verify_passes > before
+
+
+def test_a_request_enabling_a_processor_that_cannot_take_part_decodes_without_drafts(plain, spec):
+    stats = spec.engine.speculator.stats
+    blocked, passes = stats.requests_not_speculating, stats.verify_passes
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                             logits_processors_args={"record": True} if i == 0 else None) for i in range(3)]
+    prompts = [PROMPTS[0]] * 3
+    StepRecorder.seen = []
+    a = run(plain, params, prompts)
+    plain_seen, StepRecorder.seen = StepRecorder.seen, []
+    assert same_tokens(a, run(spec, params, prompts))
+    # The recorder saw its request at every output length, one token per step, as without speculation.
+    assert StepRecorder.seen == sorted(StepRecorder.seen)  # never shown a draft position and then back
+    assert sorted(set(StepRecorder.seen)) == sorted(set(plain_seen)) == list(range(32))
+    assert stats.requests_not_speculating == blocked + 1
+    assert stats.verify_passes > passes  # its neighbours did speculate
+
+
+def test_stop_strings_and_max_tokens_inside_accepted_runs(plain, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    text = run(plain, greedy, PROMPTS[:1])[0].outputs.text
+    words = sorted({w for w in text.split() if len(w) > 2})[:6]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[w]) for w in words]
+    params += [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 3, 5, 7, 11)]
+    prompts = PROMPTS[:1] * len(params)
+    a, b = run(plain, params, prompts), run(spec, params, prompts)
+    for x, y in zip(a, b):
+        assert (x.outputs.text, x.outputs.token_ids, x.outputs.finish_reason) == \
+            (y.outputs.text, y.outputs.token_ids, y.outputs.finish_reason)
+
+
+def test_no_kv_block_leaks_after_speculation(spec):
+    run(spec, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert spec.engine.block_pool.num_used == 0
+
+
+def test_the_proposer_drafts_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=2))
+    context = np.array([1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3], dtype=np.int64)
+    assert proposer.propose(context, 2) == [7, 8]          # "2 3" last seen before "7 8"
+    context = np.array([5, 2, 3, 6, 1, 2, 3, 7, 5, 2, 3], dtype=np.int64)
+    assert proposer.propose(context, 3) == [6, 1, 2]       # "5 2 3" (n=3) beats the later "2 3"
+    assert proposer.propose(np.array([1, 2, 3, 4], dtype=np.int64), 3) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "eagle"}, "speculative_config.method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "speculative_config.prompt_lookup_min"),
+    ({"method": "ngram", "draft_model": "x"}, "speculative_config.draft_model"),
+    ({"num_speculative_tokens": 2}, "speculative_config.method"),
+    ("{not json", "speculative_config: not valid JSON"),
+])
+def test_a_bad_speculative_config_names_the_field(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=value).create_engine_config()
+
+
+def test_speculation_is_off_by_default():
+    assert EngineArgs().create_engine_config().speculative_config is None
+
+
+def test_offline_stats_count_drafts_and_acceptance(spec):
+    run(spec, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), PROMPTS[:1])
+    stats = spec.speculative_stats()
+    assert stats["method"] == "ngram" and stats["drafted_tokens"] >= stats["accepted_tokens"] > 0
+    assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["drafted_tokens"]
+    assert LLM().speculative_stats()["method"] is None
+
+
+def test_server_flag_serves_the_same_text_and_counts_drafts_in_metrics(plain):
+    import openai
+
+    from fastdeploy_lp.model_config import default_model_path
+    from server_harness import start_server
+
+    server = start_server("--speculative-config", json.dumps(SPEC), "--max-model-len", "512",
+                          model=default_model_path())
+    try:
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY", max_retries=0, timeout=60)
+        got = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=32,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        want = run(plain, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), PROMPTS[:1])[0].outputs.text
+        assert got.choices[0].text == want
+        assert server.metric("fastdeploy_lp:spec_decode_accepted_tokens_total", 'method="ngram"') > 0
+        assert server.metric("fastdeploy_lp:spec_decode_draft_tokens_total", 'method="ngram"') > 0
+    finally:
+        server.stop()
+
+
+def test_a_bad_flag_value_stops_the_server_naming_the_field():
+    from server_harness import start_server
+
+    with pytest.raises(RuntimeError, match="speculative_config.num_speculative_tokens"):
+        start_server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}')
