@@ -130,6 +130,25 @@ def test_no_kv_block_leaks_after_speculation(spec):
     assert spec.engine.block_pool.num_used == 0
 
 
+def test_blocks_written_through_accepted_drafts_serve_later_requests_from_the_prefix_cache(plain, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    first = run(spec, greedy, PROMPTS[:1])[0]
+    follow_up = [list(first.prompt_token_ids) + list(first.outputs.token_ids)]
+    hits = spec.engine.block_pool.stats.hit_tokens
+    short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert same_tokens(run(plain, short, follow_up), run(spec, short, follow_up))
+    assert spec.engine.block_pool.stats.hit_tokens - hits >= 64  # the output's blocks were found
+
+
+def test_preemption_under_a_tight_kv_cache_keeps_outputs_exact():
+    small = dict(max_num_seqs=4, num_blocks=12, max_num_batched_tokens=48)
+    a, b = LLM(**small), LLM(**small, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
+    assert same_tokens(run(a, params, PROMPTS[:4]), run(b, params, PROMPTS[:4]))
+    assert b.engine.scheduler.num_preemptions > 0 and b.speculative_stats()["accepted_tokens"] > 0
+    assert b.engine.block_pool.num_used == 0
+
+
 def test_the_proposer_drafts_what_followed_the_latest_longest_match():
     proposer = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=2))
     context = np.array([1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3], dtype=np.int64)
