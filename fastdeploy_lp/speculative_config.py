@@ -25,12 +25,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int | None = None  # None: 1 (vLLM's default when only the maximum is given)
+    # Decode tokens (running requests' own plus drafts) one pass may verify: drafts stop there. On
+    # CPU a pass of up to ~8 rows reads each weight once (bench/speculative.py: 5 rows cost 1.15x one
+    # row on the bench model, 10 rows 1.5x, 20 rows 2.2x), so a large batch speculates less or not at all.
+    max_verify_tokens: int = 8
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: must be one of {', '.join(METHODS)}, got {self.method!r}")
         for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
-                                ("prompt_lookup_min", 1, 64)):
+                                ("prompt_lookup_min", 1, 64), ("max_verify_tokens", 2, 4096)):
             value = getattr(self, name)
             if value is None and name == "prompt_lookup_min":
                 continue

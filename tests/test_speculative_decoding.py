@@ -10,12 +10,13 @@ import pytest
 from pydantic import BaseModel
 
 from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.sampling_params import GuidedDecodingParams
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.ngram_proposer import NgramProposer
 from fastdeploy_lp.processors import LogitsProcessor
 from fastdeploy_lp.speculative_config import SpeculativeConfig
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_verify_tokens": 64}
 PROMPTS = ["one two three four one two three four one two three four one two",
            "The capital of France is Paris. The capital of France is",
            "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -112,6 +113,19 @@ def test_a_request_enabling_a_processor_that_cannot_take_part_decodes_without_dr
     assert stats.verify_passes > passes  # its neighbours did speculate
 
 
+def test_guided_decoding_requests_decode_without_drafts_and_the_same(plain, spec):
+    blocked = spec.speculative_stats()["requests_not_speculating"]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "people": {"type": "integer"}},
+              "required": ["city", "people"], "additionalProperties": False}
+    forms = [GuidedDecodingParams(json=schema), GuidedDecodingParams(regex=r"(one|two|three)( (one|two|three)){5}"),
+             GuidedDecodingParams(grammar='start: "yes" | "no"')]
+    params = [SamplingParams(temperature=0, max_tokens=40, guided_decoding=g) for g in forms] + \
+        [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[0]]
+    assert same_tokens(run(plain, params, prompts), run(spec, params, prompts))
+    assert spec.speculative_stats()["requests_not_speculating"] == blocked + len(forms)
+
+
 def test_stop_strings_and_max_tokens_inside_accepted_runs(plain, spec):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     text = run(plain, greedy, PROMPTS[:1])[0].outputs.text
@@ -147,6 +161,15 @@ def test_preemption_under_a_tight_kv_cache_keeps_outputs_exact():
     assert same_tokens(run(a, params, PROMPTS[:4]), run(b, params, PROMPTS[:4]))
     assert b.engine.scheduler.num_preemptions > 0 and b.speculative_stats()["accepted_tokens"] > 0
     assert b.engine.block_pool.num_used == 0
+
+
+def test_a_large_batch_backs_off_to_plain_steps():
+    llm = LLM(max_num_seqs=8, speculative_config={"method": "ngram", "max_verify_tokens": 8})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    run(llm, params, PROMPTS[:1] * 8)  # eight running requests fill the pass: no drafts
+    assert llm.speculative_stats()["verify_passes"] == 0
+    run(llm, params, PROMPTS[:2])
+    assert llm.speculative_stats()["verify_passes"] > 0
 
 
 def test_the_proposer_drafts_what_followed_the_latest_longest_match():

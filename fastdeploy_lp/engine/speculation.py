@@ -55,19 +55,23 @@ class Speculator:
         self.scheduler = scheduler
         self.stats = SpeculativeStats(config.method)
         self._blocked: dict[int, bool] = {}  # admission -> it enabled a processor that cannot take part
+        self._turn = 0
 
     def propose(self, running: list[Request], chunks: list[Chunk]) -> dict[int, list[int]]:
         """Slot -> drafts for the running requests that verify some this step, within the step's
-        token budget and the free KV blocks."""
-        budget = self.scheduler.token_budget
-        if budget is not None:
-            budget -= sum(r.total_len - r.cached_len for r in running) + sum(len(c.tokens) for c in chunks)
+        token budget, `max_verify_tokens` (a large batch backs off) and the free KV blocks."""
+        fed = sum(r.total_len - r.cached_len for r in running)
+        budget = self.config.max_verify_tokens - fed
+        if self.scheduler.token_budget is not None:
+            budget = min(budget, self.scheduler.token_budget - fed - sum(len(c.tokens) for c in chunks))
         self._blocked = {r.admission: self._blocked[r.admission] if r.admission in self._blocked else self._blocks(r)
                          for r in running}
         drafts: dict[int, list[int]] = {}
-        for request in running:
+        self._turn += 1  # when the budget runs out, each request gets its turn to go first
+        start = self._turn % len(running) if running else 0
+        for request in running[start:] + running[:start]:
             k = min(self.config.num_speculative_tokens, request.params.max_tokens - len(request.output_ids) - 1,
-                    self.config.num_speculative_tokens if budget is None else budget)
+                    budget)
             if k <= 0 or request.forced_queue or self._blocked[request.admission]:
                 continue
             context = np.asarray(request.prompt_ids + request.output_ids, dtype=np.int64)
@@ -75,7 +79,7 @@ class Speculator:
             tokens = tokens[:self.scheduler.reserve_drafts(request, len(tokens))]
             if tokens:
                 drafts[request.slot] = tokens
-                budget = None if budget is None else budget - len(tokens)
+                budget -= len(tokens)
         self.stats.drafted_tokens += sum(len(d) for d in drafts.values())
         self.stats.verify_passes += len(drafts)
         return drafts
