@@ -220,6 +220,9 @@ def test_server_flag_serves_the_same_text_and_counts_drafts_in_metrics(plain):
                                         temperature=0, extra_body={"ignore_eos": True})
         want = run(plain, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), PROMPTS[:1])[0].outputs.text
         assert got.choices[0].text == want
+        stream = client.completions.create(model=got.model, prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
         assert server.metric("fastdeploy_lp:spec_decode_accepted_tokens_total", 'method="ngram"') > 0
         assert server.metric("fastdeploy_lp:spec_decode_draft_tokens_total", 'method="ngram"') > 0
     finally:
