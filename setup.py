@@ -16,7 +16,7 @@ setup(
     description="Paddle LLM inference engine with a registered logits-processor pipeline",
     python_requires=">=3.11",
     packages=find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"]),
-    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h"]},
+    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "layer.h"]},
     install_requires=[
         "paddlepaddle>=3.0",
         "numpy",

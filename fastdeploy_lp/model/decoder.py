@@ -13,6 +13,7 @@ from paddle import nn
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layer
 from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear, linear_weight
 
 
@@ -25,6 +26,8 @@ class DecoderLayer(nn.Layer):
         self.mlp = MLP(config, shard)
 
     def forward(self, x, batch, rotary, kv_cache):
+        if (kernels := fused_layer_kernels(self, x, batch, kv_cache)) is not None:
+            return run_fused_layer(kernels, self, x, batch, rotary, kv_cache)
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

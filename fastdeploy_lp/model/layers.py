@@ -144,6 +144,11 @@ class RotaryEmbedding(nn.Layer):
         # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table.
         self.register_buffer("sin", paddle.concat([-freqs.sin(), freqs.sin()], axis=-1), persistable=False)
 
+    def check_table(self, batch: "AttentionBatch") -> None:
+        """Refuse a pass reaching past the tables: the CPU kernels index them unchecked."""
+        if batch.max_position is None or batch.max_position >= self.cos.shape[0]:
+            raise ValueError(f"position {batch.max_position} outside the rotary table ({self.cos.shape[0]} positions)")
+
     def tables(self, positions: paddle.Tensor, dtype) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and signed sin (see __init__) of shape [tokens, 1, head_dim] for a flat list of positions."""
         cos = paddle.index_select(self.cos, positions).unsqueeze(1).astype(dtype)
@@ -283,7 +288,7 @@ class AttentionBatch:
         return self._rotary
 
 
-def _zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
+def zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
     """Clear the blocks handed out since the last pass (`AttentionBatch.zero_rows`)."""
     if batch.zero_rows is None:
         return
@@ -344,7 +349,7 @@ class Attention(nn.Layer):
     def rotate_and_store(self, qkv, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache) -> paddle.Tensor:
         """Rotary and the cache write in Paddle's ops. Returns the rotated queries `[T, H, D]`."""
         q, k, v = self._rotated(qkv, batch, rotary)
-        _zero_fresh_blocks(batch, kv_cache)
+        zero_fresh_blocks(batch, kv_cache)
         kv_cache[0].scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
         kv_cache[1].scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
         return q
@@ -353,11 +358,9 @@ class Attention(nn.Layer):
                                 kv_cache) -> paddle.Tensor:
         """`rotate_and_store` in one CPU kernel call instead of a split, three reshapes, eight rotary
         ops and two scatters (no q/k norm)."""
-        table = rotary.cos.shape[0]
-        if batch.max_position is None or batch.max_position >= table:
-            raise ValueError(f"position {batch.max_position} outside the rotary table ({table} positions)")
+        rotary.check_table(batch)
         qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
-        _zero_fresh_blocks(batch, kv_cache)
+        zero_fresh_blocks(batch, kv_cache)
         kernels.rotary_cache_write(qkv, rotary.cos, rotary.sin, batch.positions, batch.write_rows, *kv_cache,
                                    self.num_heads, self.num_kv_heads)
         return qkv[:, :self.q_size].reshape([-1, self.num_heads, self.head_dim])
@@ -382,12 +385,17 @@ class Attention(nn.Layer):
     def _cached(self, q, group: SequenceGroup, k_cache, v_cache):
         """Attention of new tokens over their sequences' cached keys (prefill chunks or batched
         decode): the CPU kernel, which reads the blocks in place, where it was measured faster."""
-        kernels = kernels_for(q, "attention", 1 if group.new == 1 else _FEW_ROWS)
+        kernels = self.attention_kernels(q, group)
         if kernels is not None:
             tables, lens, max_len = group.kernel_inputs
             return kernels.paged_attention(q, k_cache, v_cache, tables, lens, group.new, max_len,
                                            self.num_kv_heads, group.block_size, self.scale)
         return self.gathered_attention(q, group, k_cache, v_cache)
+
+    @staticmethod
+    def attention_kernels(q, group: SequenceGroup) -> cpu_kernels.CpuKernels | None:
+        """The CPU kernels if they run this group's attention (decode and prefill are measured apart)."""
+        return kernels_for(q, "attention", 1 if group.new == 1 else _FEW_ROWS)
 
     def gathered_attention(self, q, group: SequenceGroup, k_cache, v_cache):
         """`_cached` in Paddle's ops: heads sharing a KV head are folded into the query-length axis,

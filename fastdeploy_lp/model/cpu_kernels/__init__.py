@@ -11,6 +11,8 @@ blocks) were single-threaded or scalar.
   (prefill chunks and decode), instead of a gather, two matmuls, a mask add and a softmax.
 * `rotary_cache_write`: rotary on q/k and the cache write, in place in the fused q/k/v rows.
 * `swiglu`, `argmax`, `transpose`: Paddle's ops, vectorised (exp) and on every core.
+* `decoder_layer`: a whole layer over one sequence group of up to 32 tokens, the kernels above
+  chained in C (`layer.h`, `model/fused_layer.py`): one call per layer instead of a dozen.
 
 **Built for the CPU the process sees.** The vector ISA comes from `cpu_features.detect()` (CPUID in
 this process) and becomes the compile flags (`-mavx512f ...`, `-mavx2 -mfma -mf16c`, or none), so
@@ -35,6 +37,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import paddle
@@ -45,7 +48,7 @@ from fastdeploy_lp.model import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-HEADERS = [Path(__file__).with_name("linear.h")]  # included by kernels.c: part of the build's key
+HEADERS = [Path(__file__).with_name(name) for name in ("linear.h", "layer.h")]  # included by kernels.c: in the key
 SWITCH = "FDLP_CPU_KERNELS"
 MODES = ("auto", "0", "1")
 _threads = 1
@@ -111,6 +114,48 @@ def for_op(op: str, rows: int) -> CpuKernels | None:
     return kernels if _plan.get(f"{op}:{bucket(op, rows)}", False) else None
 
 
+@dataclass
+class PagedAttention:
+    """One layer's attention inputs for `CpuKernels.decoder_layer`, as `rotary_cache_write` and
+    `paged_attention` take them for one sequence group."""
+
+    cos: paddle.Tensor
+    sin: paddle.Tensor
+    positions: paddle.Tensor
+    write_rows: paddle.Tensor
+    tables: paddle.Tensor
+    lens: paddle.Tensor
+    k_cache: paddle.Tensor
+    v_cache: paddle.Tensor
+    seqs: int
+    new_tokens: int
+    heads: int
+    kv_heads: int
+    dim: int
+    block_size: int
+    max_len: int
+    scale: float
+
+
+class _Linear(ctypes.Structure):  # layer.h's fdlp_linear_t
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Attention(ctypes.Structure):  # layer.h's fdlp_attention_t
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("cos", "sin", "positions", "write_rows", "tables", "lens", "k_cache", "v_cache")]
+                + [(name, ctypes.c_int64) for name in ("seqs", "new_tokens", "heads", "kv_heads", "dim", "block_size",
+                                                         "table_width", "max_len")]
+                + [("scale", ctypes.c_float)])
+
+
+_FORMATS = {paddle.float32: 0, paddle.bfloat16: 1, paddle.float16: 2, paddle.int8: 3}  # layer.h's linear_of
+
+
+def _ptr(tensor: paddle.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 class CpuKernels:
     """ctypes bindings of `kernels.c`, taking and returning float32 Paddle CPU tensors."""
 
@@ -150,8 +195,31 @@ class CpuKernels:
         self._transpose.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
-        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax):
+        self._layer = library.fdlp_decoder_layer
+        self._layer.argtypes = [ptr, ptr] + [i64] * 3 + [c_int, ptr, ptr, ctypes.c_float] + [ptr] * 6 + [c_int]
+        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._layer):
             fn.restype = None
+
+    def decoder_layer(self, x: paddle.Tensor, norm1, norm2, linears: list[tuple], attention: PagedAttention,
+                      inter: int) -> paddle.Tensor:
+        """A decoder layer over the `[T, hidden]` tokens `x` of one sequence group (layer.h):
+        `norm1`/`norm2` the RMSNorm layers, `linears` the (weight, scale, bias) of q/k/v, o, gate/up
+        and down, all in one weight format, `inter` the MLP width. Returns the layer's output."""
+        x = x if x.is_contiguous() else x.contiguous()
+        rows, hidden = x.shape
+        at = attention
+        qkv_width, q_size = (at.heads + 2 * at.kv_heads) * at.dim, at.heads * at.dim
+        work = paddle.empty([rows * (hidden + qkv_width + 2 * q_size + 3 * inter) + _threads * at.heads * at.max_len],
+                            dtype="float32")  # layer.h's sizes
+        out = paddle.empty([rows, hidden], dtype="float32")
+        structs = [_Linear(_ptr(w), _ptr(s), _ptr(b)) for w, s, b in linears]
+        attention_struct = _Attention(*(_ptr(getattr(at, name)) for name, _ in _Attention._fields_[:8]), at.seqs,
+                                      at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size, at.tables.shape[1],
+                                      at.max_len, at.scale)
+        self._layer(x.data_ptr(), out.data_ptr(), rows, hidden, inter, _FORMATS[linears[0][0].dtype],
+                    norm1.weight.data_ptr(), norm2.weight.data_ptr(), norm1.eps, *(ctypes.byref(s) for s in structs),
+                    ctypes.byref(attention_struct), work.data_ptr(), _threads)
+        return out
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
                scale: paddle.Tensor | None = None) -> paddle.Tensor:

@@ -348,3 +348,4 @@ void fdlp_paged_attention(const float *q, const float *k_cache, const float *v_c
             weighted_values(scores + h * max_len, v_cache, table, g, kv_heads, block_size, dim, len, o + h * dim);
     }
 }
+#include "layer.h"
