@@ -30,8 +30,9 @@ each draft position as a plain step would have shown it: after the step's own `u
 `apply` on those slots' rows at that position, in slot order. Then `update_state` once more with
 the step's real state (rejected drafts are gone; accepted tokens arrive with the next step, as
 several tokens at once). Forced tokens or an exception at a depth only stop acceptance there.
-A processor without it (the default) is never shown a draft: the requests that enable it decode
-without speculation.
+A processor with state it can roll back cheaply (a grammar matcher) overrides `update_draft_state`
+and `end_drafts` instead of being shown the depths through `update_state`. A processor without
+it (the default) is never shown a draft: the requests that enable it decode without speculation.
 
 A processor that keeps per-request state asks a `BatchTracker` (`batch_state.py`) what changed
 since its previous step — a `BatchUpdate`: requests added, removed, and rows moved — and updates
@@ -189,6 +190,20 @@ class LogitsProcessor(ABC):
     def update_state(self, share_inputs: ShareInputs) -> None:
         """Called before each forward pass with the engine's per-slot state; it may be called
         again within a step (after requests failed), with the smaller batch."""
+
+    def supports_speculation_for(self, params: SamplingParams | None) -> bool:
+        """Whether a request with these params that enables this processor may speculate: by default
+        `supports_speculation`; a processor that can take part for some requests only narrows it."""
+        return type(self).supports_speculation
+
+    def update_draft_state(self, share_inputs: ShareInputs) -> None:
+        """A draft depth of a verify pass (module docstring), before `apply` on its rows. By default
+        `update_state`: a function of each row's history needs nothing else."""
+        self.update_state(share_inputs)
+
+    def end_drafts(self, share_inputs: ShareInputs) -> None:
+        """After the draft depths, with the step's real `share_inputs`: by default `update_state`."""
+        self.update_state(share_inputs)
 
     def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
         """Modify the `[active_slots, vocab]` logits (in place allowed) and return them. A processor

@@ -180,10 +180,10 @@ class LogitsProcessorPipeline:
     # -- the draft depths of a speculative verify pass (engine/stages.py: run_by_depth) -----------
     def speculation_blockers(self, args, params) -> list[str]:
         """The processors a request with these args and params enables that cannot take part in
-        speculative decoding (`LogitsProcessor.supports_speculation`): it decodes without drafts."""
+        speculative decoding (`LogitsProcessor.supports_speculation_for`): it decodes without drafts."""
         return [name for stage in (self.registered, self.sampling_stage)
                 for name, p in zip(stage.names, stage.processors)
-                if not type(p).supports_speculation and type(p).is_enabled_by(args, params)]
+                if type(p).is_enabled_by(args, params) and not p.supports_speculation_for(params)]
 
     def apply_draft_depth(self, logits: paddle.Tensor, draft_inputs: ShareInputs, all_greedy: bool,
                           sampling_params: bool) -> tuple[paddle.Tensor, dict[int, str]]:
@@ -306,8 +306,8 @@ class _Stage:
 
     def apply_draft(self, logits: paddle.Tensor, share_inputs: ShareInputs, view: dict,
                     all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
-        """One draft depth: each processor that takes part and serves a row here gets `update_state`
-        on `view`, then `apply`. One that raises, or forces tokens, makes its rows here unusable
+        """One draft depth: each processor that takes part and serves a row here gets
+        `update_draft_state` on `view`, then `apply`. One that raises, or forces tokens, makes its rows here unusable
         ({slot: why}): plain decoding might not have sampled there, so acceptance stops before them."""
         unusable: dict[int, str] = {}
         rows = _active_rows(share_inputs)
@@ -319,7 +319,7 @@ class _Stage:
             mine = StepView.for_processor(view, [[] for _ in share_inputs["stop_flags"]])
             published, start = mine["forced_tokens"], time.perf_counter()
             try:
-                p.update_state(mine)
+                p.update_draft_state(mine)
                 forced = {slot for slot, queue in enumerate(published) if queue}
                 for slot in (forced if forced <= enabled else enabled):
                     unusable.setdefault(slot, f"logits processor {self.names[i]} forced tokens here")
@@ -334,7 +334,7 @@ class _Stage:
         return logits, unusable
 
     def restore(self, share_inputs: ShareInputs, view: dict) -> dict[int, str]:
-        """`update_state` on the step's real state for each processor that saw a draft depth (its
+        """`end_drafts` with the step's real state for each processor that saw a draft depth (its
         forced tokens are ignored: the step's own round took them); {slot: error} of those that raise."""
         failures: dict[int, str] = {}
         rows = _active_rows(share_inputs)
@@ -342,7 +342,7 @@ class _Stage:
             self._drafted[i] = False
             queues = [list(q) for q in share_inputs["forced_tokens"]]
             try:
-                self.processors[i].update_state(StepView.for_processor(view, queues))
+                self.processors[i].end_drafts(StepView.for_processor(view, queues))
             except BaseException as e:
                 if not _raised(e):
                     raise

@@ -113,17 +113,27 @@ def test_a_request_enabling_a_processor_that_cannot_take_part_decodes_without_dr
     assert stats.verify_passes > passes  # its neighbours did speculate
 
 
-def test_guided_decoding_requests_decode_without_drafts_and_the_same(plain, spec):
-    blocked = spec.speculative_stats()["requests_not_speculating"]
+def test_guided_decoding_advances_its_matchers_over_drafts_and_rolls_them_back(plain, spec):
+    stats = spec.speculative_stats()
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "people": {"type": "integer"}},
               "required": ["city", "people"], "additionalProperties": False}
-    forms = [GuidedDecodingParams(json=schema), GuidedDecodingParams(regex=r"(one|two|three)( (one|two|three)){5}"),
-             GuidedDecodingParams(grammar='start: "yes" | "no"')]
-    params = [SamplingParams(temperature=0, max_tokens=40, guided_decoding=g) for g in forms] + \
-        [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    forms = [GuidedDecodingParams(json=schema), GuidedDecodingParams(regex=r"(one|two|three)( (one|two|three)){12}"),
+             GuidedDecodingParams(grammar='start: "yes" | "no"'), GuidedDecodingParams(regex=r"(one two|two)( \w+){9}")]
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=40, guided_decoding=g, logprobs=2)
+              for g in forms for t in (0, 0.8)]
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[0]]
-    assert same_tokens(run(plain, params, prompts), run(spec, params, prompts))
-    assert spec.speculative_stats()["requests_not_speculating"] == blocked + len(forms)
+    prompts = [p for p in prompts for _ in (0, 1)]
+    a, b = run(plain, params, prompts), run(spec, params, prompts)
+    assert same_tokens(a, b)
+    for x, y in zip(a, b):
+        assert all(abs(u.logprob - v.logprob) < 1e-4 for u, v in zip(x.outputs.logprobs, y.outputs.logprobs))
+    after = spec.speculative_stats()
+    assert after["requests_not_speculating"] == stats["requests_not_speculating"]
+    assert after["accepted_tokens"] > stats["accepted_tokens"]
+    closing = SamplingParams(temperature=0, max_tokens=24, guided_decoding=GuidedDecodingParams(
+        json=schema, close_on_length=True))  # its closing zone is decided step by step: no drafts
+    assert same_tokens(run(plain, closing, PROMPTS[1:2]), run(spec, closing, PROMPTS[1:2]))
+    assert spec.speculative_stats()["requests_not_speculating"] == after["requests_not_speculating"] + 1
 
 
 def test_stop_strings_and_max_tokens_inside_accepted_runs(plain, spec):

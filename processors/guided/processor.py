@@ -44,7 +44,7 @@ import paddle
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from fastdeploy_lp.config import FDConfig
-from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs
+from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, RequestFailures, ShareInputs, active_slots
 from fastdeploy_lp.processors.batch_state import BatchTracker
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
@@ -194,6 +194,7 @@ class _SlotMatcher:
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
     serves_guided_decoding = True
     uses_engine_context = True  # grammars compile against the engine's tokenizer
+    supports_speculation = True  # the matchers advance over drafts and roll back: update_draft_state
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
@@ -222,6 +223,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
         self._row_extra: list[tuple[int, int]] = []  # (bitmask row, token) also allowed: a reasoning start
         self._zone: list[tuple[int, _SlotMatcher]] = []  # (bitmask row, slot) near its closing reserve
+        self._drafted: dict[int, int] = {}  # slot -> drafts its matcher consumed in this step's verify pass
 
     # -- admission ------------------------------------------------------------------------------
     def validate_request(self, params) -> None:
@@ -354,6 +356,59 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             safe = np.asarray(state.closer.safe_tokens(state.matcher, candidates, state.budget, eos), dtype=np.int64)
             np.bitwise_or.at(keep[i], safe >> 5, np.left_shift(np.uint32(1), (safe & 31).astype(np.uint32)))
         mask_logits(logits, keep.view(np.int32), rows)
+
+    # -- speculative decoding -----------------------------------------------------------------------
+    def supports_speculation_for(self, params) -> bool:
+        """Not for a reasoning model's requests (where the answer starts is tracked token by token,
+        with no rollback) nor for those closing on length (their closing zone is decided per step)."""
+        return self.reasoning is None and (params is None or CLOSED_ON_LENGTH not in params.extra)
+
+    def update_draft_state(self, share_inputs: ShareInputs) -> None:
+        """A draft depth: each constrained slot shown consumes its drafts so far (the matcher is where
+        this step left it otherwise) and its row is masked as plain decoding would mask it there. A
+        matcher that rejects a draft gets no mask: the row before already masked that draft out, so
+        this row is never used. Where the grammar forces tokens, they are published: plain decoding
+        would append them unsampled, so acceptance stops there."""
+        self._join()
+        self._clear_rows()
+        for row, slot in enumerate(active_slots(share_inputs).tolist()):
+            state = self._slots[slot]
+            if state is None:
+                continue
+            if state.ahead:  # forced tokens still on their way: plain decoding appends them next
+                share_inputs["forced_tokens"][slot].extend(state.ahead)
+                continue
+            drafted = self._drafted.get(slot, 0)
+            new = list(share_inputs["output_ids"][slot][state.consumed + drafted:])
+            fits = state.matcher.validate_tokens(new) if new else 0
+            if fits and not state.matcher.consume_tokens(new[:fits]):
+                raise RuntimeError(f"slot {slot}: the grammar engine failed on validated drafts: {state.error()}")
+            self._drafted[slot] = drafted + fits
+            if fits < len(new):
+                continue
+            forced = [] if state.matcher.is_stopped() else state.matcher.compute_ff_tokens()
+            if forced:
+                share_inputs["forced_tokens"][slot].extend(forced)
+            else:
+                self._add_row(row, slot, state)
+        if self._rows:
+            work = [(matcher, j) for j, matcher in enumerate(self._row_matchers)]
+            self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
+
+    def end_drafts(self, share_inputs: ShareInputs) -> None:
+        """Roll every matcher back to where the step left it; the accepted tokens reach it through
+        the output at the next step, as any tokens do."""
+        self._join()
+        self._clear_rows()
+        failures = {}
+        for slot, drafted in self._drafted.items():
+            state = self._slots[slot]
+            if drafted and state is not None and not state.matcher.rollback(drafted):
+                failures[slot] = f"guided decoding: the grammar engine could not roll back {drafted} drafts: {state.error()}"
+                self._slots[slot] = None
+        self._drafted = {}
+        if failures:
+            raise RequestFailures(failures)
 
     # -- helpers --------------------------------------------------------------------------------
     def _new_matcher(self, request: AddedRequest, share_inputs: ShareInputs) -> _SlotMatcher | None:
