@@ -169,18 +169,18 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 #include "linear.h"
 #define WEIGHT uint16_t
 #define FORMAT bf16
-#define GEMV_AHEAD 1024
+#define GEMV_AHEAD 4096
 #define SPLIT 2
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT _Float16
 #define FORMAT f16
-#define GEMV_AHEAD 1024
+#define GEMV_AHEAD 4096
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT int8_t
 #define FORMAT i8
-#define GEMV_AHEAD 1024
+#define GEMV_AHEAD 4096
 #include "linear.h"
 
 /* Sum of n floats read by every thread: the machine's read bandwidth, measured by the benchmarks
