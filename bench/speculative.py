@@ -9,10 +9,12 @@ Workloads (greedy, EOS ignored, every request of a batch submitted together):
 
 * `copy`: the answer quotes the prompt (a passage, then "Quote the passage:" and its first words),
   where prompt lookup drafts well;
-* `free`: free text from a short question, where little recurs.
+* `free`: free text from a short question, where little recurs;
+* `json`: output constrained to a JSON schema (guided decoding takes part: its masks apply at every
+  draft position, and the keys it forces are fast-forwarded as always).
 
 tok/s counts generated tokens over the wall time of the whole batch (prompts included; they are
-short). The built-in model writes text, so its acceptance rates mean something; the bench model
+short), the best of `--repeats` runs. The built-in model writes text, so its acceptance rates mean something; the bench model
 (`bench/models/qwen2.5-0.5b-random`, `python bench/make_bench_model.py`) has random weights, so its
 rows show mostly the cost side, and the verify table shows the pass itself: one decode step of one
 token against one of k+1 tokens at the same context length.
@@ -27,6 +29,7 @@ import time
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.model.runner import SequenceFeed
+from fastdeploy_lp.sampling_params import GuidedDecodingParams
 
 BENCH_MODEL = os.path.join(os.path.dirname(__file__), "models", "qwen2.5-0.5b-random")
 PASSAGE = ("The capital of France is Paris. Paris is home to about two million people, and the river Seine "
@@ -34,14 +37,26 @@ PASSAGE = ("The capital of France is Paris. Paris is home to about two million p
 WORKLOADS = {
     "copy": f"{PASSAGE}\nQuote the passage word for word:\n{PASSAGE[:40]}",
     "free": "Tell me something about the weather in spring.",
+    "json": f"{PASSAGE}\nThe facts above as JSON:\n",
 }
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "river": {"type": "string"},
+                                           "people": {"type": "integer"}, "facts": {"type": "array",
+                                           "items": {"type": "string"}}},
+          "required": ["city", "river", "people", "facts"], "additionalProperties": False}
 
 
-def generate(llm: LLM, prompt: str, batch: int, output_len: int) -> tuple[float, dict]:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def best_of(repeats: int, llm: LLM, workload: str, batch: int, output_len: int) -> tuple[float, dict]:
+    """The fastest of `repeats` runs (the machine may be shared: the others waited on someone else)."""
+    runs = [generate(llm, workload, batch, output_len) for _ in range(repeats)]
+    return max(runs, key=lambda run: run[0])
+
+
+def generate(llm: LLM, workload: str, batch: int, output_len: int) -> tuple[float, dict]:
+    guided = GuidedDecodingParams(json=SCHEMA) if workload == "json" else None
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=guided is None, guided_decoding=guided)
     before = llm.speculative_stats()
     start = time.perf_counter()
-    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    outs = llm.generate([WORKLOADS[workload]] * batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.speculative_stats()
     drafted = after["drafted_tokens"] - before["drafted_tokens"]
@@ -72,13 +87,13 @@ def bench_model(name: str, model: str | None, args) -> list[dict]:
     common = dict(model=model, max_num_seqs=max(args.batch_sizes), max_model_len=1024)
     llms = {"off": LLM(**common), "on": LLM(**common, speculative_config=spec)}
     for llm in llms.values():  # the first passes pick and build kernels: not part of any row
-        generate(llm, WORKLOADS["copy"], max(args.batch_sizes), 8)
+        generate(llm, "copy", max(args.batch_sizes), 8)
     rows = []
-    for workload, prompt in WORKLOADS.items():
+    for workload in WORKLOADS:
         for batch in args.batch_sizes:
             row = {"model": name, "workload": workload, "batch": batch}
             for mode, llm in llms.items():
-                row[f"tok_s_{mode}"], counts = generate(llm, prompt, batch, args.output_len)
+                row[f"tok_s_{mode}"], counts = best_of(args.repeats, llm, workload, batch, args.output_len)
             row.update(counts, speedup=row["tok_s_on"] / row["tok_s_off"])
             rows.append(row)
     one, many = verify_cost(llms["off"], args.k)
@@ -103,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the fastest counts")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--models", nargs="+", default=["builtin", "bench"], choices=["builtin", "bench"])

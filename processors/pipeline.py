@@ -185,6 +185,11 @@ class LogitsProcessorPipeline:
                 for name, p in zip(stage.names, stage.processors)
                 if type(p).is_enabled_by(args, params) and not p.supports_speculation_for(params)]
 
+    def takes_drafts(self, sampling_params: bool) -> bool:
+        """Whether a processor of the stage that takes part serves a request this step (else the
+        draft depths pass it by)."""
+        return (self.sampling_stage if sampling_params else self.registered).takes_drafts()
+
     def apply_draft_depth(self, logits: paddle.Tensor, draft_inputs: ShareInputs, all_greedy: bool,
                           sampling_params: bool) -> tuple[paddle.Tensor, dict[int, str]]:
         """The rows of one draft depth through the registered processors (or, with `sampling_params`,
@@ -303,6 +308,9 @@ class _Stage:
             self._step_seconds[i] += elapsed
             self._check_time(i, rows, failures)
         return logits
+
+    def takes_drafts(self) -> bool:
+        return any(on and type(p).supports_speculation for on, p in zip(self._enabled, self.processors))
 
     def apply_draft(self, logits: paddle.Tensor, share_inputs: ShareInputs, view: dict,
                     all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:

@@ -77,18 +77,20 @@ def run_by_depth(rows: StepRows, share_inputs: ShareInputs, pipeline: LogitsProc
     shown `share_inputs` as of that position (`draft_share_inputs`), and then their state brought
     back to the step's real one. What fails at a draft depth only ends acceptance there."""
     groups = rows.depth_groups()
+    drafting = len(groups) > 1 and pipeline.takes_drafts(sampling_params)
     parts = []
     for depth, start, end in groups:
         logits = rows.logits if len(groups) == 1 else rows.logits[start:end]
         greedy = all(rows.greedy[start:end])
+        failures = {}
         if depth == 0:
             logits, failures = apply(logits, share_inputs, greedy)
-        else:
+        elif drafting:
             logits, failures = pipeline.apply_draft_depth(
                 logits, draft_share_inputs(share_inputs, rows.drafts, depth), greedy, sampling_params)
         rows.fail_slots(failures, depth)
         parts.append(logits)
-    if len(groups) > 1:
+    if drafting:
         rows.fail_slots(pipeline.restore_after_drafts(share_inputs, sampling_params))
     rows.logits = parts[0] if len(parts) == 1 else paddle.concat(parts)
 
