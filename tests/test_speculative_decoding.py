@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import paddle
 import pytest
 from pydantic import BaseModel
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.sampling_params import GuidedDecodingParams
 from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.engine.request import Request
+from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.engine.stages import SamplingStages
+from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.engine.ngram_proposer import NgramProposer
 from fastdeploy_lp.processors import LogitsProcessor
 from fastdeploy_lp.speculative_config import SpeculativeConfig
@@ -244,3 +249,33 @@ def test_a_bad_flag_value_stops_the_server_naming_the_field():
 
     with pytest.raises(RuntimeError, match="speculative_config.num_speculative_tokens"):
         start_server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}')
+
+
+class _NoText:
+    text = ""
+
+
+def test_sampled_verification_keeps_the_distribution_chi_square():
+    """4000 seeded requests verify one unlikely draft against fixed probabilities over 6 tokens: the
+    first appended token follows p, the draft is kept with probability p(draft), and a rejected
+    draft is replaced by a draw from p without it, renormalised (chi-square, 5 and 4 degrees of
+    freedom, far below the 0.1% critical values 20.5 and 18.5)."""
+    n, p, draft = 4000, np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05]), 4
+    requests = [Request(request_id=f"r{i}", prompt_ids=[1, 2], params=SamplingParams(temperature=1.0),
+                        detokenizer=_NoText(), args={}, slot=i, seed=1000 + i) for i in range(n)]
+    stages = SamplingStages(Sampler(n, len(p), eos_token_ids=[]))
+    logits = paddle.to_tensor(np.tile(np.log(p), (2 * n, 1)).astype(np.float32))  # 2 rows per request
+    rows = stages.run(StepRows.verify(logits, requests, {i: [draft] for i in range(n)}))
+    first = np.array([rows.tokens[rows.emitted(i)[0]] for i in range(n)])
+    kept = first == draft
+
+    def chi_square(counts, probs):
+        expected = probs * counts.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi_square(np.bincount(first, minlength=len(p)), p) < 20.5
+    assert abs(kept.mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n)
+    others = np.delete(np.arange(len(p)), draft)
+    rejected = np.bincount(first[~kept], minlength=len(p))[others]
+    assert chi_square(rejected, p[others] / p[others].sum()) < 18.5
+    assert all(len(rows.emitted(i)) == (2 if kept[i] else 1) for i in range(n))
