@@ -1,0 +1,91 @@
+"""The docs name what the code has: the `share_inputs` tables list exactly `ShareInputs`' fields,
+with the dtypes the scheduler builds them with, and every `fastdeploy_lp.…` name and every source
+path the docs and the README mention exists (a moved module breaks this test, not a reader)."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import re
+
+import numpy as np
+import pytest
+
+from fastdeploy_lp.engine.scheduler import new_share_inputs
+from fastdeploy_lp.processors.base import ShareInputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)) + [os.path.join(ROOT, "README.md")]
+# Where a bare file name in the docs may live (`scheduler.py` in a sentence about the engine).
+SOURCE_DIRS = ["", "fastdeploy_lp", "fastdeploy_lp/engine", "fastdeploy_lp/model", "fastdeploy_lp/distributed",
+               "fastdeploy_lp/tokenizer", "processors", "processors/builtin", "processors/guided", "entrypoints",
+               "entrypoints/openai", "entrypoints/openai/routers", "tests", "bench", "train"]
+# Files a page tells the reader to write, not files of this repository.
+USER_FILES = {"backend.py", "DIR/NAME/backend.py", "my_tools.py", ".../vendor/llama.cpp/convert_hf_to_gguf.py"}
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _share_inputs_table(page: str) -> dict[str, str]:
+    """Field -> type column of the page's `share_inputs` table (the one whose first row is stop_flags)."""
+    text = _read(os.path.join(ROOT, "docs", page))
+    start = text.index("| `stop_flags`")
+    rows = {}
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`([a-z_]+)`", cells[0]):
+            rows[name] = cells[1]
+    return rows
+
+
+@pytest.mark.parametrize("page", ["logits_processors.md", "zh/logits_processors.md"])
+def test_the_share_inputs_table_lists_every_field_with_its_dtype(page):
+    table = _share_inputs_table(page)
+    assert sorted(table) == sorted(ShareInputs.__annotations__), f"docs/{page}: the share_inputs table"
+    for name, value in new_share_inputs(2).items():
+        if isinstance(value, np.ndarray):
+            dtype = value.dtype.name
+            assert f"np.ndarray[{dtype}] [slots]" in table[name], f"docs/{page}: {name} is {dtype} [slots]"
+        else:
+            assert not table[name].startswith("`np.ndarray"), f"docs/{page}: {name} is per-slot values"
+
+
+def test_every_fastdeploy_lp_name_in_the_docs_exists():
+    missing = []
+    for page in PAGES:
+        for name in sorted(set(re.findall(r"fastdeploy_lp(?:\.[A-Za-z_][A-Za-z0-9_]*)+", _read(page)))):
+            if not _resolves(name):
+                missing.append(f"{os.path.relpath(page, ROOT)}: {name}")
+    assert missing == [], missing
+
+
+def test_every_source_path_in_the_docs_exists():
+    missing = []
+    for page in PAGES:
+        for path in sorted(set(re.findall(r"[A-Za-z0-9_./-]+\.py\b", _read(page))) - USER_FILES):
+            relative = path.lstrip("./") if path.startswith("./") else path
+            if not any(os.path.exists(os.path.join(ROOT, d, relative)) for d in SOURCE_DIRS):
+                missing.append(f"{os.path.relpath(page, ROOT)}: {path}")
+    assert missing == [], missing
+
+
+def _resolves(name: str) -> bool:
+    """Whether `name` is a module, or attributes reached from its longest importable prefix."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            continue
+        for attr in parts[k:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
