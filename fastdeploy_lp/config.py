@@ -17,7 +17,8 @@ from typing import Any
 
 from fastdeploy_lp.distributed.checks import check_tensor_parallel
 from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
-from fastdeploy_lp.options import non_negative_float, option, port_number, positive_float, positive_int
+from fastdeploy_lp.options import (non_negative_float, non_negative_int, option, port_number, positive_float,
+                                   positive_int)
 from fastdeploy_lp.reasoning import REASONING_PARSERS
 from fastdeploy_lp.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -99,6 +100,7 @@ class FDConfig:
     logits_processor_timeout_s: float | None  # None: no limit
     guided_whitespace_pattern: str | None
     guided_close_on_length: bool
+    guided_json_number_digits: int
     reasoning_parser: str | None
     tensor_parallel_size: int
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
@@ -180,6 +182,11 @@ class EngineArgs:
         False, "Close JSON-constrained output (response_format json_schema / json_object, guided_json, tools "
                "excluded) that reaches max_tokens with a short valid completion, for requests that do not set "
                "structured_outputs.close_on_length. Off: OpenAI's behaviour (the output is cut).", group=DECODING)
+    guided_json_number_digits: int = option(
+        15, "The most digits a number in JSON-constrained output (guided_json, response_format) may have before its "
+            "decimal point; at most min(N, 10) follow it, and no exponent. Without a cap a model can write one "
+            "endless number until max_tokens. 15 keeps every integer exact in a float64. 0: no cap.",
+        group=DECODING, parse=non_negative_int, metavar="N")
     reasoning_parser: str | None = option(
         None, "For reasoning models (qwen3, deepseek_r1): return the <think> part as reasoning_content, apart from "
               "content, and apply output constraints (JSON, tools) from the end of the reasoning.",
@@ -249,6 +256,7 @@ class EngineArgs:
                         cpu_threads=self.cpu_threads, logits_processor_timeout_s=timeout or None,
                         guided_whitespace_pattern=self.guided_whitespace_pattern,
                         guided_close_on_length=self.guided_close_on_length,
+                        guided_json_number_digits=self.guided_json_number_digits,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config))
 

@@ -20,7 +20,7 @@ INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
 
 
-_JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "close_on_length")
+_JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "close_on_length", "max_number_digits")
 _CLOSABLE = ("json", "json_object")
 # `SamplingParams.extra` key of the set of request ids whose output guided decoding closed at
 # `max_tokens` (close_on_length); present when the requests close on length. Outputs report it.
@@ -44,6 +44,9 @@ class GuidedDecodingParams:
     # At max_tokens, end the JSON with the shortest completion found (strings cut, arrays and objects
     # closed, required keys given short values) instead of cutting it. None: the engine's default.
     close_on_length: bool | None = None
+    # The most digits a JSON number may have before its point (and, up to 10, after it), so an
+    # endless number cannot use up the budget. None: the engine's default; 0: no cap.
+    max_number_digits: int | None = None
 
     def __post_init__(self):
         kinds = self.kinds()
@@ -56,6 +59,9 @@ class GuidedDecodingParams:
         check_text(self.whitespace_pattern, "guided_decoding.whitespace_pattern")
         if self.close_on_length is not None and not isinstance(self.close_on_length, bool):
             raise ValueError(f"close_on_length: must be a boolean, got {self.close_on_length!r}")
+        digits = self.max_number_digits
+        if digits is not None and (not isinstance(digits, int) or isinstance(digits, bool) or not 0 <= digits <= 300):
+            raise ValueError(f"max_number_digits: must be an integer from 0 (no cap) to 300, got {digits!r}")
         if self.close_on_length and kinds[0] not in _CLOSABLE:
             raise ValueError(f"close_on_length: only applies to a JSON constraint (json, json_object); this request "
                              f"sets {kinds[0]}")

@@ -13,12 +13,16 @@ Every problem is a `GuidedDecodingError` (a `ValueError` whose message starts wi
 | grammar              | guided_grammar      | GBNF (`root ::= ...`) or Lark (`start: ...`)         |
 | structural_tag       | structural_tag      | see `structural_tag.py`                              |
 | whitespace_pattern   | guided_whitespace_pattern | JSON whitespace regex (json, json_object, tags) |
+| max_number_digits    | guided_json             | cap on JSON number length (json, json_object)        |
 
 `json` may also be OpenAI's `response_format.json_schema` object, `{"name", "schema", "strict"}`;
 with `"strict": true` every object that does not say otherwise gets `additionalProperties: false`.
 A plain schema is used as written (JSON Schema semantics: extra keys allowed unless forbidden),
 except that `format` values JSON Schema does not define (`topic`, `byte`) are dropped: they are
 annotations no validator checks. Keywords llguidance does not implement are refused, never ignored.
+With `max_number_digits` (the server sets it, `--guided-json-number-digits`) numbers are capped in
+length and every any-value position, the schema `{}` itself included, is a capped any-value
+(`json_schema.cap_numbers`): `{}` means any JSON value, as JSON Schema says, never an unbounded one.
 
 A compiled constraint is the matcher in its start state with its first mask computed the way the
 engine computes masks (on an `LLExecutor`'s threads), and a copy taken one step further (the forced
@@ -39,8 +43,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from fastdeploy_lp.processors.guided.grammar_text import clean_error, is_gbnf
-from fastdeploy_lp.processors.guided.json_schema import (check_depth, drop_custom_formats, json_format_options,
-                                                         strict_schema)
+from fastdeploy_lp.processors.guided.json_schema import (cap_numbers, check_depth, drop_custom_formats,
+                                                         json_format_options, strict_schema)
 from fastdeploy_lp.processors.guided.structural_tag import structural_tag_grammar
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,10 @@ def grammar_source(gd) -> tuple[str, str]:
             schema = {"type": "object"} if kind == "json_object" else _schema(gd.json, field)
             if gd.disable_additional_properties:
                 schema = strict_schema(schema)
+            if gd.max_number_digits:
+                if kind == "json_object":  # its values are any JSON: made explicit, so they are capped too
+                    schema.setdefault("additionalProperties", True)
+                schema = cap_numbers(schema, gd.max_number_digits)
             return field, llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=json_format_options(ws))
         if kind == "regex":
             return field, llg.LLMatcher.grammar_from_regex(_bounded(gd.regex, field))

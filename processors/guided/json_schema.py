@@ -1,11 +1,15 @@
 """JSON-schema helpers applied before llguidance sees a schema: a bound on nesting, OpenAI `strict`
-semantics, and dropping `format` values that JSON Schema does not define."""
+semantics, dropping `format` values that JSON Schema does not define, and a cap on number length."""
 
 from __future__ import annotations
 
 from typing import Any
 
 MAX_SCHEMA_DEPTH = 64  # JSON nesting of the schema document itself
+# llguidance turns `multipleOf: 1e-N` into "at most N decimals" up to N = 10 and refuses finer steps
+# (verified with 1.9.1), so the fraction of a capped number has at most this many digits.
+MAX_FRACTION_DIGITS = 10
+ANY_VALUE_DEF = "fdlp_json_value"  # the `$defs` entry of a number-capped "any JSON value"
 
 # Keywords whose value is a subschema, a list of them, or a name -> subschema map.
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -69,6 +73,83 @@ def strict_schema(schema: dict) -> dict:
 def drop_custom_formats(schema: dict) -> dict:
     """A copy of `schema` without `format` values outside `STANDARD_FORMATS` (e.g. `topic`, `byte`)."""
     return _map_schemas(schema, _drop_custom_format)
+
+
+def cap_numbers(schema: dict, digits: int) -> dict:
+    """A copy of `schema` whose numbers have at most `digits` digits before the point and
+    min(digits, MAX_FRACTION_DIGITS) after it, written without an exponent: llguidance's number
+    lexeme is unbounded, and a model that starts `1.000000...` can spend its whole budget on it.
+
+    JSON Schema has no length keyword for numbers, so the cap is a range (|x| < 10**digits) and a
+    `multipleOf`, added to every `number` / `integer` subschema that does not bound itself tighter.
+    Every place the schema allows any value (`{}`, `true`, including the whole schema) becomes a
+    reference to an any-value schema whose numbers are capped the same way. Keys an object schema
+    does not list (allowed unless `additionalProperties: false`) are left as llguidance has them.
+    `not` and `if` are left alone (a bound there would widen what the schema allows), and so is
+    `propertyNames` (keys are strings)."""
+    cap = _NumberCap(digits)
+    capped = _map_capped(schema, cap)
+    if not cap.any_value_used:
+        return capped
+    defs = dict(capped.get("$defs") or {})
+    defs[ANY_VALUE_DEF] = cap.any_value()
+    return {**capped, "$defs": defs}
+
+
+class _NumberCap:
+    def __init__(self, digits: int):
+        self.limit = float(10 ** digits)
+        self.step = float(f"1e-{min(digits, MAX_FRACTION_DIGITS)}")
+        self.any_value_used = False
+
+    def bound(self, node: dict) -> dict:
+        types = node.get("type")
+        types = types if isinstance(types, list) else [types]
+        if "number" not in types and "integer" not in types:
+            return node
+        low = max([-self.limit] + [node[k] for k in ("minimum", "exclusiveMinimum") if _is_number(node.get(k))])
+        high = min([self.limit] + [node[k] for k in ("maximum", "exclusiveMaximum") if _is_number(node.get(k))])
+        if low == -self.limit:
+            node["exclusiveMinimum"] = low
+        if high == self.limit:
+            node["exclusiveMaximum"] = high
+        if "number" in types and "multipleOf" not in node:
+            node["multipleOf"] = self.step
+        return node
+
+    def any_value(self) -> dict:
+        ref = {"$ref": f"#/$defs/{ANY_VALUE_DEF}"}
+        return {"anyOf": [{"type": "null"}, {"type": "boolean"}, self.bound({"type": "number"}),
+                          {"type": "string"}, {"type": "array", "items": ref},
+                          {"type": "object", "additionalProperties": ref}]}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _map_capped(node: Any, cap: _NumberCap) -> Any:
+    """`_map_schemas` for `cap_numbers`: any-value subschemas become references, `not`/`if` stay."""
+    if node is True or node == {}:
+        cap.any_value_used = True
+        return {"$ref": f"#/$defs/{ANY_VALUE_DEF}"}
+    if not isinstance(node, dict):
+        return node
+    out = cap.bound(dict(node))
+    for key in _ONE:
+        if key in ("not", "if", "propertyNames"):
+            continue
+        if isinstance(out.get(key), (dict, bool)) and not (key == "additionalProperties" and out[key] is False):
+            out[key] = _map_capped(out[key], cap)
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [_map_capped(s, cap) for s in out[key]]
+    for key in _MANY + ("allOf",):
+        if isinstance(out.get(key), list):
+            out[key] = [_map_capped(s, cap) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _map_capped(s, cap) for k, s in out[key].items()}
+    return out
 
 
 def _close_object(node: dict) -> dict:

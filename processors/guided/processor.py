@@ -200,6 +200,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         super().__init__(fd_config)
         self.whitespace_pattern = fd_config.guided_whitespace_pattern
         self.close_on_length = fd_config.guided_close_on_length
+        self.number_digits = fd_config.guided_json_number_digits
         self._closing_search: ClosingSearch | None = None
         self.tokenizer = tokenizer = context.tokenizer
         self.reasoning = get_reasoning_parser(fd_config.reasoning_parser)
@@ -256,9 +257,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         return self.close_on_length and set(gd.kinds()) <= {"json", "json_object"}
 
     def _with_server_defaults(self, gd):
-        """The server's JSON whitespace rule (`--guided-whitespace-pattern`) where the request sets none."""
+        """The server's JSON whitespace rule (`--guided-whitespace-pattern`) and number cap
+        (`--guided-json-number-digits`) where the request sets none."""
         if gd.whitespace_pattern is None and self.whitespace_pattern is not None:
-            return dataclasses.replace(gd, whitespace_pattern=self.whitespace_pattern)
+            gd = dataclasses.replace(gd, whitespace_pattern=self.whitespace_pattern)
+        if gd.max_number_digits is None and self.number_digits:
+            gd = dataclasses.replace(gd, max_number_digits=self.number_digits)
         return gd
 
     @classmethod
