@@ -14,10 +14,10 @@ Workloads (greedy, EOS ignored, every request of a batch submitted together):
   draft position, and the keys it forces are fast-forwarded as always).
 
 tok/s counts generated tokens over the wall time of the whole batch (prompts included; they are
-short), the best of `--repeats` runs. The built-in model writes text, so its acceptance rates mean something; the bench model
-(`bench/models/qwen2.5-0.5b-random`, `python bench/make_bench_model.py`) has random weights, so its
-rows show mostly the cost side, and the verify table shows the pass itself: one decode step of one
-token against one of k+1 tokens at the same context length.
+short), the best of `--repeats` runs. The built-in model writes text, so its acceptance rates mean
+something; the bench model (`bench/models/qwen2.5-0.5b-random`, `python bench/make_bench_model.py`)
+has random weights (its output falls into loops, which drafts find), and the verify rows show the
+pass itself: one decode step of one token against one of k+1 tokens at the same context length.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import paddle
 import pytest
+from conftest import FIXTURE_MODELS, fixture_dir
 from pydantic import BaseModel
 
 from fastdeploy_lp import LLM, SamplingParams
@@ -279,3 +280,28 @@ def test_sampled_verification_keeps_the_distribution_chi_square():
     rejected = np.bincount(first[~kept], minlength=len(p))[others]
     assert chi_square(rejected, p[others] / p[others].sum()) < 18.5
     assert all(len(rows.emitted(i)) == (2 if kept[i] else 1) for i in range(n))
+
+
+@pytest.mark.parametrize("name", FIXTURE_MODELS)
+def test_greedy_parity_on_the_reference_checkpoints(name):
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [3, 7, 11, 19, 3, 7], [2, 4, 6, 8]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain_llm = LLM(fixture_dir(name), max_num_seqs=4)
+    spec_llm = LLM(fixture_dir(name), max_num_seqs=4, speculative_config=SPEC)
+    assert same_tokens(run(plain_llm, params, prompts), run(spec_llm, params, prompts))
+    assert spec_llm.speculative_stats()["verify_passes"] > 0
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_tool_call_constraints_are_the_same_with_drafts(plain, spec, tool_choice):
+    from fastdeploy_lp.processors.guided.tool_calls import tool_call_constraint
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    messages = [[{"role": "user", "content": "What's the weather in Paris? And in Paris again?"}]] * 2
+    constraint = tool_call_constraint(tools, tool_choice)
+    params = [SamplingParams(temperature=t, seed=9, max_tokens=48, guided_decoding=constraint) for t in (0, 1.0)]
+    a = plain.chat(messages, params, use_tqdm=False, tools=tools)
+    b = spec.chat(messages, params, use_tqdm=False, tools=tools)
+    assert same_tokens(a, b)

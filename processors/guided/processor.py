@@ -408,7 +408,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         for slot, drafted in self._drafted.items():
             state = self._slots[slot]
             if drafted and state is not None and not state.matcher.rollback(drafted):
-                failures[slot] = f"guided decoding: the grammar engine could not roll back {drafted} drafts: {state.error()}"
+                failures[slot] = (f"guided decoding: the grammar engine could not roll back {drafted} drafts: "
+                                  f"{state.error()}")
                 self._slots[slot] = None
         self._drafted = {}
         if failures:
