@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from test_import_graph import package_files
 
 from fastdeploy_lp.engine.scheduler import new_share_inputs
 from fastdeploy_lp.processors.base import ShareInputs
@@ -18,7 +19,7 @@ from fastdeploy_lp.processors.base import ShareInputs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)) + [os.path.join(ROOT, "README.md")]
 # Where a bare file name in the docs may live (`scheduler.py` in a sentence about the engine).
-SOURCE_DIRS = ["", "fastdeploy_lp", "fastdeploy_lp/engine", "fastdeploy_lp/model", "fastdeploy_lp/distributed",
+SOURCE_DIRS = ["", "fastdeploy_lp", "fastdeploy_lp/openai", "fastdeploy_lp/engine", "fastdeploy_lp/model", "fastdeploy_lp/distributed",
                "fastdeploy_lp/tokenizer", "processors", "processors/builtin", "processors/guided", "entrypoints",
                "entrypoints/openai", "entrypoints/openai/routers", "tests", "bench", "train"]
 # Files a page tells the reader to write, not files of this repository.
@@ -89,3 +90,22 @@ def _resolves(name: str) -> bool:
             obj = getattr(obj, attr)
         return True
     return False
+
+
+def test_the_module_map_names_every_module_of_the_package():
+    text = _read(os.path.join(ROOT, "docs", "architecture.md"))
+    folders = dict(re.findall(r"^\*\*`([a-z_/]+)/`\*\* — (.*?)(?=\n\n|\Z)", text, flags=re.S | re.M))
+    missing = []
+    for module, path in package_files().items():
+        parts = module.split(".")
+        if parts[1:2] in (["processors"], ["entrypoints"]):  # top-level folders, installed inside the package
+            parts = parts[1:]
+        folder, name = "/".join(parts[:-1]), parts[-1]
+        if path.endswith("__init__.py"):
+            if f"{folder}/{name}" in folders or len(parts) == 1:  # a folder of the map
+                continue
+        else:
+            name += ".py"
+        if f"`{name}`" not in folders.get(folder, ""):
+            missing.append(f"{folder}/{name}")
+    assert missing == [], f"docs/architecture.md's module map lacks {missing}"
