@@ -80,3 +80,23 @@ def test_a_budget_below_the_shortest_document_is_a_400_on_max_tokens(client):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, max_tokens=10, response_format=SCHEMA_FORMAT)
     assert e.value.body["param"] == "max_tokens" and "close_on_length" in e.value.body["message"]
+
+
+def test_responses_text_format_closes_on_length_as_chat_does(client):
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON}
+    closed = 0
+    for seed in range(3):
+        r = client.responses.create(model="default", input=MESSAGES[0]["content"], max_output_tokens=60,
+                                    temperature=1.0, text={"format": fmt},
+                                    extra_body={"seed": seed, "structured_outputs": {"close_on_length": True}})
+        jsonschema.validate(json.loads(r.output_text), PERSON)
+        flag = (r.model_extra or {}).get("closed_on_length")
+        assert (r.status, flag) in (("incomplete", True), ("completed", None)), (r.status, flag)
+        closed += flag is True
+    assert closed
+    cut = client.responses.create(model="default", input=MESSAGES[0]["content"], max_output_tokens=20,
+                                  text={"format": {"type": "json_object"}},
+                                  extra_body={"structured_outputs": {"close_on_length": False}})
+    assert cut.status == "incomplete" and "closed_on_length" not in (cut.model_extra or {})
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.output_text)

@@ -8,7 +8,7 @@ turns' thinking), `instructions`, `max_output_tokens`, `temperature`, `top_p`, f
 with `tool_choice` and `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
 `stream`, `store`, `previous_response_id`, `metadata`, `user`, and through `extra_body` the
 engine's extensions (`logits_processors_args`, `seed`, `top_k`, `min_p`, `repetition_penalty`,
-`stop`, `chat_template_kwargs`). What a local engine cannot do (built-in tools, `background`,
+`stop`, `chat_template_kwargs`, `structured_outputs`). What a local engine cannot do (built-in tools, `background`,
 `conversation`, stored prompts, `include`, `truncation: "auto"`, `top_logprobs`, `max_tool_calls`,
 images and files) is a 400 naming the field, never silently dropped.
 """
@@ -191,6 +191,9 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="As on /v1/chat/completions and validated there: e.g. {\"close_on_length\": true} "
+                          "beside text.format json_schema / json_object.")
 
     @model_validator(mode="after")
     def _supported(self):
@@ -227,7 +230,7 @@ class ResponsesRequest(BaseModel):
         messages += items_to_messages(history + self.input_items())
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens}
         for name in ("temperature", "top_p", "parallel_tool_calls", "user", "logits_processors_args", "seed",
-                     "top_k", "min_p", "repetition_penalty", "stop", "chat_template_kwargs"):
+                     "top_k", "min_p", "repetition_penalty", "stop", "chat_template_kwargs", "structured_outputs"):
             body[name] = getattr(self, name)
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

@@ -105,6 +105,8 @@ class _Shape:
                  usage=self._usage(len(final.prompt_token_ids), len(o.token_ids)))
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
+        if o.closed_on_length:  # structured_outputs.close_on_length closed the JSON: the text parses
+            r["closed_on_length"] = True
         elif status == "failed":
             r["error"] = {"code": "server_error", "message": o.error or "generation failed"}
         if self.req.store:
