@@ -1,9 +1,12 @@
-"""The engines `bench/throughput.py` compares against, each timed the way the engine is.
+"""The engines `bench/throughput.py` compares against, each timed the way the engine is, in the
+weight format matching each of fastdeploy_lp's.
 
-Each `*_engine(model_dir, max_batch, max_len)` returns `{name: run}` where
-`run(prompts, output_len) -> {"ttft_s", "decode_tok_s"}` (greedy, exactly `output_len` new tokens per
-prompt, all prompts submitted together), or None when the peer is not installed. Conversions of the
-checkpoint are written beside it once (`<model>-gguf-f32.gguf`, `<model>-ct2-float32/`).
+Each `*_engine(model_dir, max_batch, max_len, formats)` returns one `Peer` per fastdeploy_lp weight
+format in `formats` (`float32`, `bfloat16`, `float16`, `wint8`): `run(prompts, output_len) ->
+{"ttft_s", "decode_tok_s"}` (greedy, exactly `output_len` new tokens per prompt, all prompts
+submitted together), or a `skipped` reason where the peer has no such format on this CPU; None when
+the peer is not installed. Conversions of the checkpoint are written beside it once
+(`<model>-f32.gguf`, `<model>-q8_0.gguf`, `<model>-ct2-int8/`, ...).
 """
 
 from __future__ import annotations
@@ -14,13 +17,33 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 THREADS = len(os.sched_getaffinity(0))
 
 
-def transformers_engine(model_dir: str, max_batch: int, max_len: int) -> dict | None:
+@dataclass
+class Peer:
+    name: str  # engine and its own name for the format: "llama.cpp q8_0"
+    weights: str  # the fastdeploy_lp format it is paired with: "wint8"
+    run: Callable | None = None
+    skipped: str | None = None
+
+
+def _convert_once(out: str, convert: Callable[[str], None]) -> str:
+    """`convert(path)` writes a conversion; it goes to a temporary name first so that an interrupted
+    run does not leave a truncated file that the next run takes as cached."""
+    if not os.path.exists(out):
+        partial = out + ".partial"
+        convert(partial)
+        os.replace(partial, out)
+    return out
+
+
+def transformers_engine(model_dir: str, max_batch: int, max_len: int, formats: list[str]) -> list[Peer] | None:
     if not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")):
         return None
     import torch
@@ -39,61 +62,109 @@ def transformers_engine(model_dir: str, max_batch: int, max_len: int) -> dict | 
         def end(self):
             pass
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def runner(dtype):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
-    def run(prompts: list[list[int]], output_len: int) -> dict:
-        ids = torch.tensor(prompts)
-        clock = Clock()
-        with torch.inference_mode():
-            start = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                           eos_token_id=None, max_new_tokens=output_len, min_new_tokens=output_len, streamer=clock)
-        first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt
-        return {"ttft_s": first - start, "decode_tok_s": len(prompts) * (output_len - 1) / (last - first)}
+        def run(prompts: list[list[int]], output_len: int) -> dict:
+            ids = torch.tensor(prompts)
+            clock = Clock()
+            with torch.inference_mode():
+                start = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                               eos_token_id=None, max_new_tokens=output_len, min_new_tokens=output_len,
+                               streamer=clock)
+            first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt
+            return {"ttft_s": first - start, "decode_tok_s": len(prompts) * (output_len - 1) / (last - first)}
 
-    return {"transformers float32": run}
+        return run
+
+    peers = []
+    for weights in formats:
+        if weights == "wint8":
+            # Its quantizers (bitsandbytes, torchao, ...) are separate packages, and torch's own dynamic
+            # quantization also quantizes activations: neither is the model as transformers runs it.
+            peers.append(Peer("transformers int8", weights,
+                              skipped="no int8 weights of its own on CPU (its quantizers are separate packages)"))
+        else:
+            peers.append(Peer(f"transformers {weights}", weights, runner(getattr(torch, weights))))
+    return peers
 
 
-def ctranslate2_engine(model_dir: str, max_batch: int, max_len: int) -> dict | None:
+CT2_TYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "wint8": "int8"}
+
+
+def ctranslate2_engine(model_dir: str, max_batch: int, max_len: int, formats: list[str]) -> list[Peer] | None:
     if not (importlib.util.find_spec("ctranslate2") and importlib.util.find_spec("transformers")):
         return None
     import ctranslate2
     from transformers import AutoTokenizer
 
-    out = model_dir.rstrip("/") + "-ct2-float32"
-    if not os.path.isfile(os.path.join(out, "model.bin")):
-        ctranslate2.converters.TransformersConverter(model_dir).convert(out, quantization="float32", force=True)
-    generator = ctranslate2.Generator(out, device="cpu", compute_type="float32", intra_threads=THREADS)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    supported = ctranslate2.get_supported_compute_types("cpu")
 
-    def generate(tokens: list[list[str]], length: int) -> float:
-        start = time.perf_counter()
-        generator.generate_batch(tokens, max_length=length, min_length=length, sampling_topk=1,
-                                 include_prompt_in_result=False, end_token=[])
-        return time.perf_counter() - start
+    def runner(ct2_type: str):
+        out = _convert_once(model_dir.rstrip("/") + f"-ct2-{ct2_type}", lambda path: ctranslate2.converters.
+                            TransformersConverter(model_dir).convert(path, quantization=ct2_type, force=True))
+        generator = ctranslate2.Generator(out, device="cpu", compute_type=ct2_type, intra_threads=THREADS)
 
-    def run(prompts: list[list[int]], output_len: int) -> dict:
-        tokens = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
-        first = generate(tokens, 1)  # no per-token stream for a batch: a one-token run is the TTFT
-        full = generate(tokens, output_len)
-        return {"ttft_s": first, "decode_tok_s": len(prompts) * (output_len - 1) / max(full - first, 1e-9)}
+        def generate(tokens: list[list[str]], length: int) -> float:
+            start = time.perf_counter()
+            generator.generate_batch(tokens, max_length=length, min_length=length, sampling_topk=1,
+                                     include_prompt_in_result=False, end_token=[])
+            return time.perf_counter() - start
 
-    return {"CTranslate2 float32": run}
+        def run(prompts: list[list[int]], output_len: int) -> dict:
+            tokens = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
+            first = generate(tokens, 1)  # no per-token stream for a batch: a one-token run is the TTFT
+            full = generate(tokens, output_len)
+            return {"ttft_s": first, "decode_tok_s": len(prompts) * (output_len - 1) / max(full - first, 1e-9)}
+
+        return run
+
+    peers = []
+    for weights in formats:
+        ct2_type = CT2_TYPES[weights]
+        name = f"CTranslate2 {ct2_type}"
+        # Asked for a compute type the CPU build lacks, CTranslate2 refuses it; computing in another
+        # type instead would time a different format under this one's name.
+        if ct2_type in supported:
+            peers.append(Peer(name, weights, runner(ct2_type)))
+        else:
+            peers.append(Peer(name, weights, skipped=f"no {ct2_type} compute on this CPU "
+                                                     f"(has {', '.join(sorted(supported))})"))
+    return peers
 
 
-def llama_cpp_engine(model_dir: str, max_batch: int, max_len: int) -> dict | None:
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "wint8": "q8_0"}
+
+
+def llama_cpp_engine(model_dir: str, max_batch: int, max_len: int, formats: list[str]) -> list[Peer] | None:
     if not importlib.util.find_spec("llama_cpp"):
         return None
-    gguf = model_dir.rstrip("/") + "-f32.gguf"
-    if not os.path.isfile(gguf):
+    peers = []
+    for weights in formats:
+        outtype = GGUF_TYPES[weights]
+        gguf = model_dir.rstrip("/") + f"-{outtype}.gguf"
         script = _gguf_converter()
-        if script is None:
-            print("llama.cpp: no convert_hf_to_gguf.py found (set LLAMA_CPP_CONVERTER to the one in "
-                  "llama-cpp-python's source package, vendor/llama.cpp/)", file=sys.stderr)
-            return None
-        subprocess.run([sys.executable, "-c", _CONVERT, script, model_dir, "--outtype", "f32", "--outfile", gguf],
-                       check=True)
-    return {"llama.cpp f32": _LlamaBatch(gguf, max_batch, max_len).run}
+        if not os.path.isfile(gguf) and script is None:
+            peers.append(Peer(f"llama.cpp {outtype}", weights, skipped="no GGUF and no convert_hf_to_gguf.py "
+                              "(set LLAMA_CPP_CONVERTER to llama-cpp-python's sdist vendor/llama.cpp/ one)"))
+            continue
+        _convert_once(gguf, lambda path: subprocess.run(
+            [sys.executable, "-c", _CONVERT, script, model_dir, "--outtype", outtype, "--outfile", path], check=True))
+        # On a CPU with AMX (Xeon, llama-cpp-python 0.3.36) `llama_decode` segfaults on a q8_0 model
+        # whose weights sit in llama.cpp's extra buffer types (AMX or CPU_REPACK), so there it keeps
+        # them in plain CPU buffers, and the row says so.
+        extra = outtype != "q8_0" or not _has_amx()
+        name = f"llama.cpp {outtype}" + ("" if extra else " (no repack: AMX CPU)")
+        peers.append(Peer(name, weights, _LlamaBatch(gguf, max_batch, max_len, extra).run))
+    return peers
+
+
+def _has_amx() -> bool:
+    import llama_cpp
+
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
 
 
 # llama.cpp's converter names the pre-tokenizer by hashing the tokenizer's output, and refuses one
@@ -122,16 +193,24 @@ class _LlamaBatch:
     """Batched greedy decode with llama.cpp's batch API: one sequence id per request, a prompt pass
     per sequence, then one `llama_decode` per step over every sequence's last token."""
 
-    def __init__(self, gguf: str, max_batch: int, max_len: int):
+    def __init__(self, gguf: str, max_batch: int, max_len: int, extra_bufts: bool = True):
         import llama_cpp
+        from llama_cpp._logger import set_verbose
 
         self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(gguf, n_ctx=max_len, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
-        params = self.llm.context_params  # the high-level object opens one sequence; the batch needs more
+        set_verbose(False)
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = extra_bufts
+        self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = max_batch * max_len, max(512, max_batch), 512
         params.n_seq_max, params.kv_unified = max_batch, True
-        self.ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
-        self.vocab = self.llm.n_vocab()
+        params.n_threads = params.n_threads_batch = THREADS
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama_cpp.Llama() opens it
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(max(512, max_batch), 0, max_batch)
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:

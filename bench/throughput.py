@@ -17,12 +17,26 @@ submission to its first token; decode tokens/s counts the tokens generated after
 first one, over the time between the first and the last token of the batch. The peers are optional
 and skipped when not installed (never a dependency of the engine or its tests):
 
-* `transformers` (torch, CPU, float32): `generate()`, timed from the token times its streamer sees.
+* `transformers` (torch, CPU): `generate()`, timed from the token times its streamer sees.
 * llama.cpp through `llama-cpp-python` (`pip install llama-cpp-python`, built from source): the
-  checkpoint converted to an f32 GGUF with the `convert_hf_to_gguf.py` its package vendors; batches
+  checkpoint converted to GGUF with the `convert_hf_to_gguf.py` its package vendors; batches
   decoded with its low-level batch API, one sequence id per request.
-* CTranslate2 (`pip install ctranslate2`, converted with its Transformers converter, float32):
+* CTranslate2 (`pip install ctranslate2`, converted with its Transformers converter):
   `generate_batch`, TTFT as the time of a one-token run, decode from the time of the full run.
+
+Each peer runs in the format matching each `--weights` format, in its own name for it:
+
+    --weights    transformers   llama.cpp   CTranslate2
+    float32      float32        f32         float32
+    bfloat16     bfloat16       bf16        bfloat16 (skipped where its CPU build lacks it)
+    float16      float16        f16         float16 (likewise)
+    wint8        (skipped)      q8_0        int8
+
+A peer without the format on this CPU gets a `skipped` row saying why. The table groups each format's
+rows, fastdeploy_lp's first; a peer row's `fdlp / peer` is fastdeploy_lp's decode rate in that format
+(`kernels=auto`, or the first mode timed) over the peer's, and its share of the weight-read limit is
+taken against fastdeploy_lp's bytes for the format (q8_0 and CTranslate2's int8 also quantize the
+embedding / LM head, which wint8 keeps in the checkpoint's dtype).
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peers import ctranslate2_engine, llama_cpp_engine, transformers_engine  # noqa: E402
+from peers import Peer, ctranslate2_engine, llama_cpp_engine, transformers_engine  # noqa: E402
 
 from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
 from fastdeploy_lp.model import cpu_features, cpu_kernels  # noqa: E402
@@ -137,7 +151,7 @@ FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "
            "wint8": {"dtype": "auto", "quantization": "wint8"}}
 
 
-def run_engines(args, llms: dict[str, LLM], engines: dict, prompts: list[list[int]]) -> dict:
+def run_engines(args, llms: dict[str, LLM], peers: list[Peer], prompts: list[list[int]]) -> dict:
     results = {}
     for weights, llm in llms.items():
         for mode in args.kernel_modes:
@@ -145,27 +159,38 @@ def run_engines(args, llms: dict[str, LLM], engines: dict, prompts: list[list[in
             bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
             results[f"fastdeploy_lp {weights} kernels={mode}"] = bench_fastdeploy(llm, prompts, args.output_len)
         cpu_kernels.set_mode("auto")
-    for name, engine in engines.items():
-        results[name] = engine(prompts, args.output_len)
+    for peer in peers:
+        if peer.run:
+            results[peer.name] = peer.run(prompts, args.output_len)
     return results
 
 
-def print_table(header: str, rows: list[dict], limits: dict[str, float]) -> None:
-    """One line per engine and shape; batch-1 lines with their share of their format's weight-read limit."""
-    names = list(dict.fromkeys(name for r in rows for name in r["results"]))
+def print_table(header: str, rows: list[dict], limits: dict[str, float], modes: list[str], peers: list[Peer],
+                missing: list[str]) -> None:
+    """Per weight format: fastdeploy_lp's lines, then each peer's in the same format with fastdeploy_lp's
+    decode rate over its own; batch-1 lines with their share of the format's weight-read limit."""
+    ours = {w: [f"fastdeploy_lp {w} kernels={m}" for m in modes] for w in limits}
     print(f"\n{header}\n")
     print(f"{'engine':<38} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
-          f"{'share of weight-read limit':>26}")
-    for name in names:
-        words = name.replace("f32", "float32").split()
-        limit = next((v for k, v in limits.items() if k in words), None)
-        for r in rows:
-            res = r["results"].get(name)
-            if res is None:
+          f"{'share of weight-read limit':>26} | {'fdlp / peer':>11}")
+    for weights, limit in limits.items():
+        reference = ours[weights][modes.index("auto") if "auto" in modes else 0]
+        for name in ours[weights] + [p.name for p in peers if p.weights == weights]:
+            skipped = next((p.skipped for p in peers if p.name == name and p.skipped), None)
+            if skipped:
+                print(f"{name:<38} | skipped: {skipped}")
                 continue
-            share = f"{res['decode_tok_s'] / limit:.0%}" if r["batch"] == 1 and limit else ""
-            print(f"{name:<38} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
-                  f"{res['ttft_s']:>7.3f} | {share:>26}")
+            for r in rows:
+                res = r["results"].get(name)
+                if res is None:
+                    continue
+                share = f"{res['decode_tok_s'] / limit:.0%}" if r["batch"] == 1 else ""
+                versus = "" if name in ours[weights] else \
+                    f"{r['results'][reference]['decode_tok_s'] / res['decode_tok_s']:.2f}x"
+                print(f"{name:<38} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
+                      f"{res['ttft_s']:>7.3f} | {share:>26} | {versus:>11}")
+    if missing:
+        print(f"not installed, skipped: {', '.join(missing)}")
 
 
 def plot(path: str, rows: list[dict], title: str) -> None:
@@ -222,32 +247,36 @@ def main() -> None:
     weights = {w: weight_bytes_per_token(llm) for w, llm in llms.items()}
     limits = {w: bandwidth * 1e9 / b for w, b in weights.items()}
     makers = {"transformers": transformers_engine, "llama.cpp": llama_cpp_engine, "ctranslate2": ctranslate2_engine}
-    engines = {}
-    for peer in args.peers:
-        engine = makers[peer](args.model, max(args.batch_sizes), max(args.prompt_lens) + args.output_len + 8)
-        if engine is None:
-            print(f"{peer}: not installed, skipped", flush=True)
+    peers, missing = [], []
+    for maker in args.peers:
+        made = makers[maker](args.model, max(args.batch_sizes), max(args.prompt_lens) + args.output_len + 8,
+                             args.weights)
+        if made is None:
+            print(f"{maker}: not installed, skipped", flush=True)
+            missing.append(maker)
         else:
-            engines.update(engine)
+            peers += made
     llm = next(iter(llms.values()))
     vocab = llm.tokenizer.vocab_size
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:
             prompts = [rng.integers(0, vocab - 3, prompt_len).tolist() for _ in range(batch)]
-            rows.append({"prompt_len": prompt_len, "batch": batch, "results": run_engines(args, llms, engines, prompts)})
+            rows.append({"prompt_len": prompt_len, "batch": batch, "results": run_engines(args, llms, peers, prompts)})
             print(json.dumps(rows[-1]), flush=True)
     per_format = ", ".join(f"{w} {b / 1e9:.2f} GB -> {limits[w]:.1f} tok/s" for w, b in weights.items())
     header = (f"CPU: {cpu.describe()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; "
               f"weight bytes per token and the batch-1 limit they set: {per_format}")
-    print_table(header, rows, limits)
+    print_table(header, rows, limits, args.kernel_modes, peers, missing)
     prefill = prefill_efficiency(llm, PREFILL_SEQS, max(args.prompt_lens))
     print(f"prefill efficiency ({prefill['seqs']} x {prefill['prompt_len']} tokens): "
           f"{prefill['achieved_gflops']:.0f} GFLOP/s achieved vs {prefill['gemm_gflops']:.0f} GFLOP/s Paddle GEMM "
           f"on the same shapes = {prefill['efficiency']:.0%}")
     result = {"model": args.model, "output_len": args.output_len, "cpu": cpu.describe(), "isa": cpu.isa,
               "read_bandwidth_gbs": bandwidth, "weight_bytes_per_token": weights, "weight_read_limit_tok_s": limits,
-              "rows": rows, "prefill": prefill}
+              "rows": rows, "prefill": prefill,
+              "peers": {p.name: {"weights": p.weights, "skipped": p.skipped} for p in peers},
+              "peers_not_installed": missing}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
