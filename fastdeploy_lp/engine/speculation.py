@@ -35,7 +35,8 @@ class SpeculativeStats:
     drafted_tokens: int = 0     # drafts verified
     accepted_tokens: int = 0    # of those, appended
     verify_passes: int = 0      # request-steps that verified drafts
-    requests_not_speculating: int = 0  # requests that enabled a processor that cannot take part
+    requests_not_speculating: int = 0  # admissions of requests enabling a processor that cannot take part
+    # (a preempted request is admitted again when it resumes, and counted again)
 
     @property
     def acceptance_rate(self) -> float:
