@@ -78,7 +78,8 @@ class ShareInputs(TypedDict):
     of read-only per-slot values, and its own `forced_tokens` lists, the one field it writes (its
     result, checked before the engine uses it)."""
 
-    stop_flags: np.ndarray                        # bool [slots]: True = free, or its request finished
+    stop_flags: np.ndarray                        # bool [slots]: True = free, its request finished, or its
+                                                  # prompt is still being prefilled in chunks (no row yet)
     req_ids: Sequence[str | None]                 # the request id in the slot (ids may repeat)
     logits_processors_args: Sequence[LogitsProcessorArgs]  # the request's args (an empty one when none)
     prompt_ids: Sequence[np.ndarray]              # int64: the prompt's token ids
@@ -184,7 +185,12 @@ class LogitsProcessor(ABC):
 
     def validate_request(self, params: SamplingParams) -> None:
         """Check one request's `SamplingParams` before it is admitted; raise `ValueError` naming
-        the field. Runs on the caller's thread, so slow checks (compiling a grammar) belong here."""
+        the field (a 400 on the server). Offline it runs on the caller's thread. On the server it
+        runs on the event loop for a request without an output constraint, so it must be fast
+        (microseconds): a slow check there stalls every stream. A request with a constraint
+        (`SamplingParams.guided_decoding`) is admitted on a worker thread, which is why compiling a
+        grammar can happen here. Other per-request setup belongs in `update_state` when the request
+        joins (on the engine thread: it delays that step and counts against the time budget)."""
 
     @abstractmethod
     def update_state(self, share_inputs: ShareInputs) -> None:

@@ -1,4 +1,5 @@
-"""Start-up checks for `tensor_parallel_size`, run by `FDConfig.create` before any weight loads."""
+"""Start-up checks for `tensor_parallel_size`, run by `EngineArgs.create_engine_config` (which
+`LLM()`, the server and `FDConfig.create` go through) before any weight loads."""
 
 from __future__ import annotations
 
