@@ -164,3 +164,11 @@ def test_sdk_parse_with_a_pydantic_model_over_seeds(client):
         completion = client.beta.chat.completions.parse(model="default", messages=MESSAGES, temperature=1.0,
                                                         seed=seed, max_tokens=120, response_format=City)
         assert isinstance(completion.choices[0].message.parsed, City), completion
+
+
+def test_every_constraint_field_is_a_chat_field():
+    """The list other APIs refuse by is the chat request's own constraint fields."""
+    from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
+    from fastdeploy_lp.entrypoints.openai.protocol_constraints import CONSTRAINT_FIELDS
+
+    assert set(CONSTRAINT_FIELDS) <= set(ChatCompletionRequest.model_fields)

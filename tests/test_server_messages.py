@@ -191,6 +191,9 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
     ({"mcp_servers": [{"url": "x"}]}, 400, "invalid_request_error", "mcp_servers"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "invalid_request_error",
      "output_config.format"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, 400, "invalid_request_error", "structured_outputs"),
+    ({"response_format": {"type": "json_object"}}, 400, "invalid_request_error", "response_format"),
+    ({"guided_regex": "[a-z]+"}, 400, "invalid_request_error", "guided_regex"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",  # no budget processor
      "thinking.budget_tokens: this server enforces no thinking budget; start it with --logits-processors "
      "ThinkingBudgetLogitsProcessor"),

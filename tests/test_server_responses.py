@@ -234,6 +234,8 @@ def test_logits_processors_args_apply_and_are_validated(server, client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, "tools"),
     ({"previous_response_id": "resp_missing"}, "previous_response_id"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),  # a constraint it does not read: never ignored
+    ({"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_unsupported_or_bad_fields_are_a_400_naming_the_field(server, body, param):
     err = _error(server, {"model": "tiny-qwen2", "input": ASK, **body})

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy_lp.entrypoints.openai.protocol_constraints import refuse_constraint_fields
 
 _STRICT = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
@@ -200,6 +201,7 @@ class AnthropicMessagesRequest(BaseModel):
             field = "output_format" if self.output_format is not None else "output_config.format"
             raise ValueError(f"{field}: structured output is not supported on /v1/messages; use "
                              "/v1/chat/completions with response_format")
+        refuse_constraint_fields(self.model_extra, (), "use /v1/chat/completions with response_format")
         if isinstance(self.system, list) and any(b.type != "text" for b in self.system):
             raise ValueError("system: only text blocks")
         if self.messages[-1].role == "assistant":

@@ -18,6 +18,20 @@ from fastdeploy_lp.sampling_params import GuidedDecodingParams
 
 _NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
+# The request fields that carry an output constraint, all read by chat and completions. An API
+# that reads only some of them refuses the others (`refuse_constraint_fields`): ignoring one would
+# run the request unconstrained.
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structural_tag", "guided_whitespace_pattern", "structured_outputs", "nvext",
+                     "guided_decoding_backend")
+
+
+def refuse_constraint_fields(extra: dict[str, Any] | None, read: tuple[str, ...], instead: str) -> None:
+    """A 400 (ValueError) naming the first constraint field in a request's unread `extra` fields."""
+    for name in CONSTRAINT_FIELDS:
+        if name not in read and (extra or {}).get(name) is not None:
+            raise ValueError(f"{name}: not read on this endpoint; {instead}")
+
 
 class JsonSchemaSpec(BaseModel):
     model_config = _NESTED

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fastdeploy_lp.entrypoints.openai.protocol import _unknown_fields
+from fastdeploy_lp.entrypoints.openai.protocol_constraints import refuse_constraint_fields
 
 _REQUEST = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
@@ -201,6 +202,7 @@ class ResponsesRequest(BaseModel):
             value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
             if value not in (None, False, [], {}):
                 raise ValueError(f"{name}: {why}")
+        refuse_constraint_fields(self.model_extra, ("structured_outputs",), "use text.format")
         if self.truncation == "auto":
             raise ValueError("truncation: 'auto' is not supported; an input longer than the context is a 400")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
