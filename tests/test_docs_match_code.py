@@ -109,3 +109,50 @@ def test_the_module_map_names_every_module_of_the_package():
         if f"`{name}`" not in folders.get(folder, ""):
             missing.append(f"{folder}/{name}")
     assert missing == [], f"docs/architecture.md's module map lacks {missing}"
+
+
+FASTAPI_PAGES = ("/docs", "/redoc", "/openapi")  # FastAPI's own pages, not routes of the routers
+
+
+def _server_routes() -> set[tuple[str, str]]:
+    from fastdeploy_lp.entrypoints.openai.routers import ROUTERS
+    return {(method, route.path) for router in ROUTERS for route in router.routes for method in route.methods}
+
+
+def test_every_endpoint_server_md_lists_is_a_route_and_every_route_is_listed():
+    text = _read(os.path.join(ROOT, "docs", "server.md"))
+    table = text[text.index("## Endpoints"):text.index("### Where the code is")]
+    documented = set()
+    for cell in re.findall(r"^\| (.*?) \|", table, flags=re.M):
+        for method, path in re.findall(r"`(GET|POST|DELETE) (/[^`]*)`", cell):
+            if not path.startswith(FASTAPI_PAGES):
+                documented.add((method, path.replace("{id}", "{response_id}")))
+    routes = {r for r in _server_routes() if not r[1].startswith(FASTAPI_PAGES)}
+    routes = {(m, p.replace("{model:path}", "{model}")) for m, p in routes}
+    assert documented - routes == set(), "docs/server.md lists endpoints the app does not have"
+    assert routes - documented == set(), "docs/server.md's endpoint table lacks routes of the app"
+
+
+def test_every_environment_variable_the_docs_name_is_declared_in_envs():
+    from fastdeploy_lp.envs import ENV_VARS
+    unknown = []
+    for page in PAGES:
+        for name in sorted(set(re.findall(r"\b(?:FDLP|FASTDEPLOY_LP)_[A-Z0-9_]*[A-Z0-9]", _read(page)))):
+            if name not in ENV_VARS and not any(v.old_name == name for v in ENV_VARS.values()):
+                unknown.append(f"{os.path.relpath(page, ROOT)}: {name}")
+    assert unknown == [], unknown
+
+
+# Pages whose `--flag`s are the server's (other pages also show bench/ and train/ scripts' flags).
+SERVER_FLAG_PAGES = ["server.md", "kv_cache.md", "generation_extensions.md", "guided_decoding.md",
+                     "logits_processors.md", "zh/logits_processors.md", "distributed.md", "architecture.md"]
+
+
+@pytest.mark.parametrize("page", SERVER_FLAG_PAGES)
+def test_every_flag_a_page_names_is_a_flag_of_fastdeploy_lp_serve(page):
+    from fastdeploy_lp.entrypoints.openai.args import make_parser
+    flags = {s for action in make_parser()._actions for s in action.option_strings}
+    named = set(re.findall(r"(?<![\w-])(--(?:\[no-\])?[a-z][a-z0-9-]*)", _read(os.path.join(ROOT, "docs", page))))
+    named -= {"--write-docs"}  # args.py's own command that regenerates the table
+    unknown = sorted(f for f in named if f.replace("[no-]", "") not in flags)
+    assert unknown == [], f"docs/{page} names flags `fastdeploy-lp serve` does not have: {unknown}"
