@@ -29,6 +29,11 @@ class SpeculativeConfig:
     # CPU a pass of up to ~8 rows reads each weight once (bench/speculative.py: 5 rows cost 1.15x one
     # row on the bench model, 10 rows 1.5x, 20 rows 2.2x), so a large batch speculates less or not at all.
     max_verify_tokens: int = 8
+    # What one draft row adds to a decode step, as a fraction of a 1-row step: a request whose
+    # drafts gain less than this per row pauses drafting (engine/speculation.py). Measured by
+    # bench/speculative.py (a (k+1)-row pass against a 1-row step, over k): 0.04-0.06 on the bench
+    # model, 0.06-0.08 for the built-in model's forward pass alone.
+    draft_row_cost: float = 0.05
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -40,6 +45,9 @@ class SpeculativeConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"speculative_config.{name}: must be an integer in {low}..{high}, got {value!r}")
+        cost = self.draft_row_cost
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 4:
+            raise ValueError(f"speculative_config.draft_row_cost: must be a number in 0..4, got {cost!r}")
         if self.min_n > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")

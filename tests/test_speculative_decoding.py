@@ -188,6 +188,18 @@ def test_a_large_batch_backs_off_to_plain_steps():
     assert llm.speculative_stats()["verify_passes"] > 0
 
 
+def test_a_request_whose_drafts_are_always_rejected_backs_off_and_its_output_is_unchanged(plain, monkeypatch):
+    banned = 7  # every draft is this token, which the request's logit_bias rules out: none is ever accepted
+    llm = LLM(max_num_seqs=8, logits_processors=BUILTINS, speculative_config=SPEC)
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", lambda context, k: [banned] * k)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logit_bias={banned: -100})
+    assert same_tokens(run(plain, params, PROMPTS[:2]), run(llm, params, PROMPTS[:2]))
+    stats = llm.speculative_stats()
+    assert stats["accepted_tokens"] == 0 and stats["backoffs"] > 0
+    # Pauses double: of ~200 steps per request, only a handful verify drafts.
+    assert stats["verify_passes"] <= 2 * 14 and stats["paused_steps"] > 2 * 150
+
+
 def test_the_proposer_drafts_what_followed_the_latest_longest_match():
     proposer = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=2))
     context = np.array([1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3], dtype=np.int64)
@@ -203,6 +215,7 @@ def test_the_proposer_drafts_what_followed_the_latest_longest_match():
     ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "speculative_config.prompt_lookup_min"),
     ({"method": "ngram", "draft_model": "x"}, "speculative_config.draft_model"),
     ({"num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram", "draft_row_cost": -1}, "speculative_config.draft_row_cost"),
     ("{not json", "speculative_config: not valid JSON"),
 ])
 def test_a_bad_speculative_config_names_the_field(value, message):

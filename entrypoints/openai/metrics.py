@@ -23,6 +23,8 @@
 | fastdeploy_lp:spec_decode_acceptance_rate{method}       | gauge   | accepted / drafted since start            |
 | fastdeploy_lp:spec_decode_verify_passes_total{method}   | counter | request-steps that verified drafts        |
 | fastdeploy_lp:spec_decode_requests_not_speculating_total{method} | counter | requests that enabled a processor that cannot take part, decoded without drafts |
+| fastdeploy_lp:spec_decode_backoffs_total{method}        | counter | pauses requests took because their drafts did not pay |
+| fastdeploy_lp:spec_decode_paused_steps_total{method}    | counter | request-steps spent in those pauses       |
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ class _SpeculativeCollector:
                  CounterMetricFamily),
                 ("spec_decode_requests_not_speculating", "Requests that enabled a logits processor that cannot "
                  "take part in speculative decoding (they decode without drafts).", "requests_not_speculating",
+                 CounterMetricFamily),
+                ("spec_decode_backoffs", "Pauses requests took because their drafts did not pay.", "backoffs",
+                 CounterMetricFamily),
+                ("spec_decode_paused_steps", "Request-steps spent in those pauses.", "paused_steps",
                  CounterMetricFamily)):
             metric = family(PREFIX + name, doc, labels=["method"])
             metric.add_metric([stats["method"]], stats[key])

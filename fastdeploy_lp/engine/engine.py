@@ -345,15 +345,18 @@ class LLMEngine:
         finishes it. A token equal to the draft at its depth is an accepted draft: this pass
         computed its keys and values, so they are committed."""
         draft = rows.drafts.get(request.slot, [])
+        accepted = 0
         for depth, row in enumerate(emitted):
             token = int(rows.tokens[row])
             self._append(request, token, rows.logprobs[row], now, finished)
             if depth >= len(draft) or token != draft[depth]:
                 break
-            self.speculator.record_accepted(1)
+            accepted += 1
             if request.finished:
                 break
             self.scheduler.commit(request, 1)
+        if draft:
+            self.speculator.record(request, len(draft), accepted)
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

@@ -14,6 +14,14 @@ noise plain decoding uses, so a seed gives the same text with speculation on or 
 The KV cache: drafts take blocks only if free ones allow without preempting anyone
 (`SlotScheduler.reserve_drafts`); only the keys and values of appended tokens are committed (and
 made findable in the prefix cache), and a rejected position's are overwritten by the next pass.
+
+Backing off per request: a draft row is not free (`draft_row_cost`, measured by bench/speculative.py
+as the cost of a k+1-row pass over a 1-row step), so a request whose drafts keep being rejected
+would make every step slower for nothing. Each request keeps a running average of what its verify
+passes gained, in decode steps: accepted drafts minus `draft_row_cost` per draft. When it falls
+below zero the request sits out a pause (4 steps, doubling on each pause in a row up to 256) and
+then tries one pass again; a pass that pays halves the next pause. Which drafts are verified never
+changes which tokens come out, so this changes speed only.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class SpeculativeStats:
     verify_passes: int = 0      # request-steps that verified drafts
     requests_not_speculating: int = 0  # admissions of requests enabling a processor that cannot take part
     # (a preempted request is admitted again when it resumes, and counted again)
+    backoffs: int = 0           # pauses requests took because their drafts did not pay
+    paused_steps: int = 0       # request-steps spent in those pauses
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,7 +55,23 @@ class SpeculativeStats:
     def as_dict(self) -> dict:
         return {"method": self.method, "drafted_tokens": self.drafted_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
-                "verify_passes": self.verify_passes, "requests_not_speculating": self.requests_not_speculating}
+                "verify_passes": self.verify_passes, "requests_not_speculating": self.requests_not_speculating,
+                "backoffs": self.backoffs, "paused_steps": self.paused_steps}
+
+
+# The running average weighs the latest pass by a quarter: one unlucky pass does not stop a request
+# that usually copies, four rejected ones in a row do.
+GAIN_WEIGHT = 0.25
+FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps; a probe every 256 steps of k rejected rows costs < 0.1%
+
+
+@dataclass
+class _Drafting:
+    """One admitted request's drafting record."""
+    blocked: bool       # it enables a processor that cannot see draft positions
+    gain: float = 1.0   # running average of accepted - draft_row_cost * drafted per pass; starts hopeful
+    pause: int = 0      # length of its last pause, in steps
+    resume_at: int = 0  # the step from which it drafts again
 
 
 class Speculator:
@@ -55,8 +81,8 @@ class Speculator:
         self.pipeline = pipeline
         self.scheduler = scheduler
         self.stats = SpeculativeStats(config.method)
-        self._blocked: dict[int, bool] = {}  # admission -> it enabled a processor that cannot take part
-        self._turn = 0
+        self._requests: dict[int, _Drafting] = {}  # by admission
+        self._step = 0
 
     def propose(self, running: list[Request], chunks: list[Chunk]) -> dict[int, list[int]]:
         """Slot -> drafts for the running requests that verify some this step, within the step's
@@ -65,15 +91,14 @@ class Speculator:
         budget = self.config.max_verify_tokens - fed
         if self.scheduler.token_budget is not None:
             budget = min(budget, self.scheduler.token_budget - fed - sum(len(c.tokens) for c in chunks))
-        self._blocked = {r.admission: self._blocked[r.admission] if r.admission in self._blocked else self._blocks(r)
-                         for r in running}
+        self._requests = {r.admission: self._requests.get(r.admission) or _Drafting(self._blocks(r)) for r in running}
         drafts: dict[int, list[int]] = {}
-        self._turn += 1  # when the budget runs out, each request gets its turn to go first
-        start = self._turn % len(running) if running else 0
+        self._step += 1  # when the budget runs out, each request gets its turn to go first
+        start = self._step % len(running) if running else 0
         for request in running[start:] + running[:start]:
             k = min(self.config.num_speculative_tokens, request.params.max_tokens - len(request.output_ids) - 1,
                     budget)
-            if k <= 0 or request.forced_queue or self._blocked[request.admission]:
+            if k <= 0 or request.forced_queue or not self._may_draft(self._requests[request.admission]):
                 continue
             context = np.asarray(request.prompt_ids + request.output_ids, dtype=np.int64)
             tokens = self.proposer.propose(context, k)
@@ -85,8 +110,25 @@ class Speculator:
         self.stats.verify_passes += len(drafts)
         return drafts
 
-    def record_accepted(self, count: int) -> None:
-        self.stats.accepted_tokens += count
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        """A verify pass of `request` kept `accepted` of its `drafted` drafts: count it, and pause
+        the request's drafting when its recent passes cost more than they gained."""
+        self.stats.accepted_tokens += accepted
+        state = self._requests.get(request.admission)
+        if state is None:
+            return
+        state.gain += GAIN_WEIGHT * (accepted - self.config.draft_row_cost * drafted - state.gain)
+        if state.gain >= 0:
+            state.pause //= 2
+            return
+        state.pause = min(LONGEST_PAUSE, max(FIRST_PAUSE, 2 * state.pause))
+        state.resume_at = self._step + 1 + state.pause
+        self.stats.backoffs += 1
+
+    def _may_draft(self, state: _Drafting) -> bool:
+        paused = self._step < state.resume_at
+        self.stats.paused_steps += paused
+        return not (state.blocked or paused)
 
     def _blocks(self, request: Request) -> bool:
         """Whether `request` enables a processor that cannot see draft positions (counted once)."""
