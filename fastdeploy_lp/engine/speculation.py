@@ -60,7 +60,7 @@ class SpeculativeStats:
 
 
 # The running average weighs the latest pass by a quarter: one unlucky pass does not stop a request
-# that usually copies, four rejected ones in a row do.
+# that usually copies; from the hopeful start, about seven rejected ones in a row do.
 GAIN_WEIGHT = 0.25
 FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps; a probe every 256 steps of k rejected rows costs < 0.1%
 
