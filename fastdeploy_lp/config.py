@@ -151,8 +151,10 @@ class EngineArgs:
                                 "in it; CPUs keep the weights in it (2 bytes each for 16-bit) and compute in "
                                 "float32.", group=MODEL)
     quantization: str | None = option(
-        None, "wint8: linear weights, the embedding and the LM head in int8 per output channel, quantized at "
-              "load (CPU). none: as dtype says.", group=MODEL, choices=("wint8", "none"))
+        None, "wint8: int8 weights per output channel, quantized at load. CPU: linear layers, embedding and LM "
+              "head. GPU (dtype bfloat16 or float16): linear layers through Paddle's weight_only_linear, embedding "
+              "and LM head in dtype; not run by this project's tests, which have no GPU. none: as dtype says.",
+        group=MODEL, choices=("wint8", "none"))
     tensor_parallel_size: int = option(
         1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
            "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
@@ -265,9 +267,13 @@ def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str 
     """The checkpoint's config with how its weights are held and the dtype the engine computes in."""
     weight_dtype = normalize_dtype(model_config.checkpoint_dtype if dtype in (None, "auto") else dtype)
     quantization = normalize_quantization(quantization)
-    if quantization and not device.startswith("cpu"):
-        raise ValueError(f"quantization: {quantization} runs on CPU only so far (its kernels are the CPU ones); "
-                         f"on {device} use dtype bfloat16 or float16")
+    if quantization and not device.startswith(("cpu", "gpu")):
+        raise ValueError(f"quantization: {quantization} runs on cpu and gpu, not on {device}; "
+                         f"there use dtype bfloat16 or float16")
+    if quantization and device.startswith("gpu") and weight_dtype not in ("bfloat16", "float16"):
+        # Paddle's weight_only_linear multiplies float16/bfloat16 activations only.
+        raise ValueError(f"quantization: {quantization} on GPU computes in bfloat16 or float16, and dtype is "
+                         f"{weight_dtype}; pass dtype bfloat16 (--dtype bfloat16) or float16")
     compute = weight_dtype
     if device.startswith("cpu") and weight_dtype != "float32":
         # Paddle's CPU matmul has no bfloat16/float16 kernels: compute in float32, keep the

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import paddle
 import pytest
 from conftest import fixture_dir, load_reference
+from safetensors.numpy import load_file
 
-from fastdeploy_lp import LLM, GuidedDecodingParams, SamplingParams
+from fastdeploy_lp import LLM, FDConfig, GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.config import default_model_path
+from fastdeploy_lp.model import gpu_weight_only, load_model
+from fastdeploy_lp.model.loader import hf_state_dict
 
 pytestmark = pytest.mark.skipif(
     not (paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0),
@@ -30,3 +37,41 @@ def test_processors_and_guided_decoding_run_on_the_logits_device():
         guided_decoding=GuidedDecodingParams(regex="(Paris|London)"))
     out = llm.generate(["The capital is"] * 2, params, use_tqdm=False)
     assert all(o.outputs.text in ("Paris", "London") for o in out)
+
+
+def test_wint8_linear_through_weight_only_linear_and_back():
+    """gpu_weight_only: the `[out, in]` checkpoint weight quantized for this GPU's arch, multiplied
+    by `weight_only_linear`, and dequantized, against the bfloat16 product."""
+    paddle.set_device("gpu")
+    weight = paddle.randn([384, 256]).astype("bfloat16")  # [out, in]
+    q, scale = gpu_weight_only.quantize(weight, "bfloat16")
+    assert q.dtype == paddle.int8 and q.shape == [384, 256] and scale.shape == [384]
+    row_error = (weight.astype("float32").abs().max(axis=1) / 127).numpy()
+    back = gpu_weight_only.dequantize(q, scale).astype("float32").numpy()
+    assert back.shape == (384, 256)
+    w = weight.astype("float32").numpy()
+    assert np.all(np.abs(back - w) <= row_error[:, None] * 0.51 + np.abs(w) * 2 ** -7)  # int8 step, bf16 rounding
+    x = paddle.randn([5, 256]).astype("bfloat16")
+    bias = paddle.randn([384]).astype("bfloat16")
+    out = gpu_weight_only.linear(x, q, bias, scale).astype("float32").numpy()
+    ref = (paddle.matmul(x, weight, transpose_y=True) + bias).astype("float32").numpy()
+    assert np.abs(out - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_wint8_on_gpu_generates_like_bfloat16_and_saves_its_values(tmp_path):
+    """The built-in model (its shapes are multiples of 64, as the weight-only GEMM wants)."""
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,", "What is the capital of Japan?"]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    full = LLM(max_num_seqs=4, device="gpu", dtype="bfloat16").generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(max_num_seqs=4, device="gpu", dtype="bfloat16", quantization="wint8")
+    quantized = llm.generate(prompts, greedy, use_tqdm=False)
+    same = [a.outputs.token_ids[:8] == b.outputs.token_ids[:8] for a, b in zip(full, quantized)]
+    assert sum(same) >= 3, [(a.outputs.text, b.outputs.text) for a, b in zip(full, quantized)]
+    model = load_model(FDConfig.create(default_model_path(), device="gpu", dtype="bfloat16",
+                                       quantization="wint8").model_config)
+    assert model.layers[0].mlp.down_weight.dtype == paddle.int8
+    assert model.embed_tokens.weight.dtype == paddle.bfloat16  # a lookup cannot read the GPU layout
+    saved = hf_state_dict(model)["model.layers.0.mlp.down_proj.weight"]
+    original = load_file(os.path.join(default_model_path(), "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    scale = np.abs(original).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(saved - original) <= scale * 0.51 + np.abs(original) * 2 ** -6)

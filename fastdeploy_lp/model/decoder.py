@@ -34,13 +34,14 @@ class DecoderLayer(nn.Layer):
 
 class TokenEmbedding(nn.Layer):
     """The token embedding `[vocab, hidden]`, held like a linear weight (`linear_weight`): in the
-    checkpoint's dtype, or int8 with a float32 scale per row under `wint8`, where a lookup widens
-    only the rows it reads. As the tied LM head, the int8 rows are read by the same kernels as every
-    linear layer: the bench model's head is 28% of the bytes a decode step reads."""
+    checkpoint's dtype, or on CPU int8 with a float32 scale per row under `wint8`, where a lookup
+    widens only the rows it reads. As the tied LM head, the int8 rows are read by the same kernels
+    as every linear layer: the bench model's head is 28% of the bytes a decode step reads. On GPU
+    it stays in the compute dtype under `wint8` (`gpu_weight_only`)."""
 
     def __init__(self, vocab: int, config: ModelConfig):
         super().__init__()
-        self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config)
+        self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True)
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         x = F.embedding(input_ids, self.weight)
@@ -72,7 +73,8 @@ class DecoderForCausalLM(nn.Layer):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.lm_head, self.lm_head_scale = (  # [vocab, hidden], like the embedding
-            (None, None) if config.tie_word_embeddings else linear_weight(self, [vocab, config.hidden_size], config))
+            (None, None) if config.tie_word_embeddings
+            else linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True))
 
     def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         """Token embeddings; sharded, each rank looks up the ids in its rows (zeros for the others)

@@ -18,7 +18,7 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import cpu_features, cpu_kernels
+from fastdeploy_lp.model import cpu_features, cpu_kernels, gpu_weight_only
 from fastdeploy_lp.model.activations import activation
 
 
@@ -35,15 +35,20 @@ def kernels_for(x: paddle.Tensor, op: str, rows: int) -> cpu_kernels.CpuKernels 
     return cpu_kernels.for_op(op, rows)
 
 
-def linear_weight(layer: nn.Layer, shape: list[int], config: ModelConfig) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+def linear_weight(layer: nn.Layer, shape: list[int], config: ModelConfig,
+                  vocabulary: bool = False) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """A linear weight `[out, in]` as `config` holds it, and its per-row scale (None but for int8):
-    `config.weight_dtype`, or int8 with a float32 scale per output row under `wint8`. Zeros until a
-    checkpoint (the loader) or the trainer fills them: a random init of a 7B model would cost
+    `config.weight_dtype`, or int8 with a scale per output row under `wint8` (float32 on CPU; on
+    GPU in the compute dtype and in `gpu_weight_only`'s layout, which a lookup cannot read, so the
+    `vocabulary` matrices, embedding and LM head, stay in `config.weight_dtype` there). Zeros until
+    a checkpoint (the loader) or the trainer fills them: a random init of a 7B model would cost
     minutes for values that are overwritten."""
     zeros = nn.initializer.Constant(0.0)
-    if config.quantization == "wint8":
+    gpu = config.quantization == "wint8" and gpu_weight_only.on_gpu()
+    if config.quantization == "wint8" and not (gpu and vocabulary):
         return (layer.create_parameter(shape, dtype="int8", default_initializer=zeros),
-                layer.create_parameter(shape[:1], dtype="float32", default_initializer=zeros))
+                layer.create_parameter(shape[:1], dtype=config.dtype if gpu else "float32",
+                                       default_initializer=zeros))
     return layer.create_parameter(shape, dtype=config.weight_dtype, default_initializer=zeros), None
 
 
@@ -56,8 +61,11 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     up to 32 rows may go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads
     it at half speed (8 rows: 77 vs 124 ms); `cpu_dispatch` keeps it per row bucket where it was
     measured faster. Up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
-    `x @ weight^T`. Many rows (prefill) and other devices get the plain product.
+    `x @ weight^T`. Many rows (prefill) and other devices get the plain product; an int8 weight on
+    GPU is in `gpu_weight_only`'s layout, which only its op reads.
     """
+    if scale is not None and x.place.is_gpu_place():
+        return gpu_weight_only.linear(x, weight, bias, scale)
     rows = x.shape[0]
     if rows <= cpu_kernels.KERNEL_ROWS and (kernels := kernels_for(x, "linear", rows)) is not None:
         return kernels.linear(x, weight, bias, scale)

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from fastdeploy_lp.model_config import ModelConfig, UnsupportedCheckpointError
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model import cpu_kernels, gpu_weight_only
 from fastdeploy_lp.model.decoder import DecoderForCausalLM
 from fastdeploy_lp.model.layers import rope_inverse_frequencies
 
@@ -257,14 +257,29 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
         value = take(*names)
         if list(params[name].shape) != list(value.shape):
             raise RuntimeError(f"model: {name} is {list(value.shape)}, the decoder has {list(params[name].shape)}")
-        if name + "_scale" in params:
-            value, scale = quantize_rows(value)
+        if name + "_scale" in params:  # after `take`: a rank quantizes its own shard, scales and all
+            value, scale = _quantized(value, params[name + "_scale"])
             params[name + "_scale"].set_value(scale)
         params[name].set_value(value.astype(params[name].dtype))
         del value
-    logger.info("weights: %s%s, %.2f GB held", config.weight_dtype,
-                f", {config.quantization} (linear layers, embedding, LM head)" if config.quantization else "", weight_bytes(model) / 1e9)
+    logger.info("weights: %s%s, %.2f GB held", config.weight_dtype, _quantized_part(config, model),
+                weight_bytes(model) / 1e9)
     return model
+
+
+def _quantized(weight: paddle.Tensor, scale: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """`weight` `[out, in]` as int8 and its scale, for the device the model's `scale` is on."""
+    if scale.place.is_gpu_place():
+        return gpu_weight_only.quantize(weight, scale.dtype)
+    return quantize_rows(weight)
+
+
+def _quantized_part(config: ModelConfig, model: DecoderForCausalLM) -> str:
+    if not config.quantization:
+        return ""
+    if model.embed_tokens.weight_scale is None:  # GPU: see gpu_weight_only
+        return f", {config.quantization} (linear layers; embedding and LM head in {config.weight_dtype})"
+    return f", {config.quantization} (linear layers, embedding, LM head)"
 
 
 def _sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -320,11 +335,7 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     if model.shard is not None:
         raise ValueError("model: a tensor-parallel shard holds part of the weights; save an unsharded model")
     cfg = model.config
-    params = model.state_dict()
-    scales = {name: scale for name, scale in params.items() if name.removesuffix("_scale") in params.keys() - {name}}
-    state = {k: v.astype("float32").numpy() for k, v in params.items() if k not in scales}
-    for name, scale in scales.items():  # int8 weights back to the values they stand for
-        state[name.removesuffix("_scale")] *= scale.numpy()[:, None]
+    state = _float_state(model.state_dict())
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):
@@ -352,6 +363,20 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = state["lm_head"]
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _float_state(params: dict[str, paddle.Tensor]) -> dict[str, np.ndarray]:
+    """Every parameter but the int8 scales as float32 numpy, int8 weights as the values they stand
+    for: row-major int8 times its row scale on CPU, `gpu_weight_only.dequantize` on GPU."""
+    scales = {name: scale for name, scale in params.items() if name.removesuffix("_scale") in params.keys() - {name}}
+    weights = {name.removesuffix("_scale"): (params[name.removesuffix("_scale")], scale) for name, scale in scales.items()}
+    state = {k: v.astype("float32").numpy() for k, v in params.items() if k not in scales and k not in weights}
+    for name, (weight, scale) in weights.items():
+        if weight.place.is_gpu_place():
+            state[name] = gpu_weight_only.dequantize(weight, scale).astype("float32").numpy()
+        else:
+            state[name] = weight.astype("float32").numpy() * scale.numpy()[:, None]
+    return state
 
 
 def save_pretrained(model: DecoderForCausalLM, out_dir: str) -> None:
