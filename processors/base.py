@@ -172,6 +172,9 @@ class LogitsProcessor(ABC):
       * `uses_engine_context`: True if it needs the engine's runtime objects (the tokenizer, tool
         functions, custom backends): it is then built as `cls(fd_config, context)` with the
         engine's `EngineContext` (`context.py`); otherwise as FastDeploy's `cls(fd_config)`.
+      * `step_time_limit_s`: seconds it may use in one step when that is longer than
+        `--logits-processor-timeout`, because a request's own arguments bound its work (tool
+        execution: a call may take the request's `tool_timeout`). None: the server's limit.
     """
 
     args_model: ClassVar[type[BaseModel] | None] = None
@@ -179,6 +182,7 @@ class LogitsProcessor(ABC):
     serves_guided_decoding: ClassVar[bool] = False
     supports_speculation: ClassVar[bool] = False
     uses_engine_context: ClassVar[bool] = False
+    step_time_limit_s: ClassVar[float | None] = None
 
     def __init__(self, fd_config) -> None:
         self.fd_config = fd_config

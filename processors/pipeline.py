@@ -362,14 +362,16 @@ class _Stage:
 
         The step is not interrupted (Python cannot preempt a running call), but the requests that
         asked for a slow processor stop paying for it — and stop making everyone else pay."""
-        if self.timeout_s is None or self._step_seconds[i] <= self.timeout_s:
+        own = self.processors[i].step_time_limit_s
+        limit = self.timeout_s if self.timeout_s is None or own is None else max(self.timeout_s, own)
+        if limit is None or self._step_seconds[i] <= limit:
             return
         name = self.names[i]
         self.timings[name].timeouts += 1
         logger.warning("logits processor %s took %.2f s in one step (limit %g s); failing its requests",
-                       name, self._step_seconds[i], self.timeout_s)
+                       name, self._step_seconds[i], limit)
         self._step_seconds[i] = 0.0  # counted once per step
-        message = (f"logits processor {name} took longer than the per-step limit of {self.timeout_s:g} s "
+        message = (f"logits processor {name} took longer than the per-step limit of {limit:g} s "
                    "(--logits-processor-timeout)")
         self._fail_enabled(i, rows, message, failures)
 

@@ -17,7 +17,7 @@ def _fail(x):
 
 
 TOOLS = {"multiply": lambda a, b: a * b, "add": lambda a, b: a + b, "fail": _fail,
-         "slow": lambda: time.sleep(5)}
+         "slow": lambda: time.sleep(5), "nap": lambda: time.sleep(0.5) or "rested"}
 
 
 class ForceText(LogitsProcessor):
@@ -91,3 +91,13 @@ def test_calls_accept_only_literals():
         parse_call("multiply(__import__('os').getcwd(), 1)")
     with pytest.raises(ValueError, match="tool_functions"):
         load_tool_functions("no_such_module_xyz:REGISTRY")
+
+
+def test_a_call_within_its_tool_timeout_is_not_cut_by_the_step_time_limit():
+    """The server's per-step processor limit (here 0.2 s) does not apply to a call its request
+    allowed longer (`tool_timeout`); another processor over that limit still fails its requests."""
+    llm = LLM(fixture_dir("qwen2"), max_num_seqs=2, device="cpu", tool_functions=TOOLS, logits_processor_timeout_s=0.2,
+              logits_processors=["test_tool_execution:ForceText", "ToolExecutionLogitsProcessor"])
+    out = llm.generate([load_reference("qwen2")[0][0]], _params("<function>nap()</function>", tool_timeout=2),
+                       use_tqdm=False)[0].outputs
+    assert "<function>nap()</function><results>rested</results>" in out.text and out.finish_reason == "length"

@@ -34,13 +34,14 @@ from fastdeploy_lp.processors.context import EngineContext
 
 logger = logging.getLogger(__name__)
 _RESULTS_START, _RESULTS_END = "<results>", "</results>"
+MAX_TOOL_TIMEOUT_S = 60.0
 
 
 class ToolExecutionArgs(BaseModel):
     tool_execution: bool | None = None
     tool_call_start: str = Field("<function>", min_length=1)
     tool_call_end: str = Field("</function>", min_length=1)
-    tool_timeout: float = Field(5.0, gt=0, le=60)
+    tool_timeout: float = Field(5.0, gt=0, le=MAX_TOOL_TIMEOUT_S)
 
 
 def load_tool_functions(spec: str | dict | None) -> dict[str, Callable]:
@@ -119,6 +120,8 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
     args_model = ToolExecutionArgs
     argmax_invariant = True  # it never edits logits: results arrive as forced tokens
     uses_engine_context = True  # the operator's tool functions, and the tokenizer
+    # A call may take its request's tool_timeout; the server's per-step limit must not cut it short.
+    step_time_limit_s = MAX_TOOL_TIMEOUT_S + 1.0
 
     @classmethod
     def is_enabled_by(cls, args, params=None) -> bool:
