@@ -1,7 +1,8 @@
 """`SpeculativeConfig`: how the engine drafts tokens to verify (docs/speculative_decoding.md).
 
 Given as vLLM's JSON object, `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_max": 4}'` or `LLM(speculative_config={...})`; speculation is off without it.
+"prompt_lookup_max": 4}'` (or `{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}`)
+or `LLM(speculative_config={...})`; speculation is off without it.
 Every key is checked here, so a bad value is an error naming the key before any weight loads.
 """
 
@@ -9,19 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`ngram` (prompt lookup): match the last n tokens (the longest n from `prompt_lookup_max`
     down to `prompt_lookup_min`) against the prompt and the output so far, and draft the
-    `num_speculative_tokens` tokens that followed the latest match."""
+    `num_speculative_tokens` tokens that followed the latest match. `draft_model`: the checkpoint
+    at `model` (same tokenizer) drafts them greedily, with its own KV cache."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model's checkpoint directory (draft_model only)
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int | None = None  # None: 1 (vLLM's default when only the maximum is given)
@@ -45,6 +49,11 @@ class SpeculativeConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"speculative_config.{name}: must be an integer in {low}..{high}, got {value!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model: " + ("required for method draft_model (the draft "
+                             "checkpoint's directory)" if self.model is None else "only for method draft_model"))
+        if self.model is not None and not (isinstance(self.model, str) and os.path.isdir(self.model)):
+            raise ValueError(f"speculative_config.model: must be a checkpoint directory, got {self.model!r}")
         cost = self.draft_row_cost
         if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 4:
             raise ValueError(f"speculative_config.draft_row_cost: must be a number in 0..4, got {cost!r}")

@@ -318,3 +318,42 @@ def test_tool_call_constraints_are_the_same_with_drafts(plain, spec, tool_choice
     a = plain.chat(messages, params, use_tqdm=False, tools=tools)
     b = spec.chat(messages, params, use_tqdm=False, tools=tools)
     assert same_tokens(a, b)
+
+
+def test_the_draft_model_method_with_the_model_as_its_own_draft_is_exact_and_accepts_nearly_all(plain):
+    from fastdeploy_lp.model_config import default_model_path
+    llm = LLM(max_num_seqs=8, logits_processors=BUILTINS, speculative_config={
+        "method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 4,
+        "max_verify_tokens": 64})
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert same_tokens(run(plain, greedy), run(llm, greedy))
+    stats = llm.speculative_stats()
+    assert stats["method"] == "draft_model" and stats["drafted_tokens"] > 100 and stats["acceptance_rate"] > 0.9
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=32, ignore_eos=True,
+                            repetition_penalty=1.2, logprobs=2, logit_bias={13: 3.0})
+    a, b = run(plain, seeded), run(llm, seeded)
+    assert same_tokens(a, b)
+    for x, y in zip(a, b):  # a verify pass's rows are computed together: equal to float rounding
+        assert all(abs(u.logprob - v.logprob) < 1e-4 for u, v in zip(x.outputs.logprobs, y.outputs.logprobs))
+    llm.engine.step()  # an idle step: every finished request's draft cache is freed
+    assert llm.engine.speculator.proposer.pool.num_used == 0
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "draft_model"}, "required for method draft_model"),
+    ({"method": "draft_model", "model": "/no/such/dir"}, "must be a checkpoint directory"),
+    ({"method": "ngram", "model": "/tmp"}, "only for method draft_model"),
+])
+def test_a_bad_draft_model_config_names_the_model_field(value, message):
+    with pytest.raises(ValueError, match=f"speculative_config.model: {message}"):
+        SpeculativeConfig.from_value(value)
+
+
+def test_a_different_checkpoint_as_draft_model_keeps_greedy_output_exact():
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [3, 7, 11, 19, 3, 7], [2, 4, 6, 8]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain_llm = LLM(fixture_dir("qwen3"), max_num_seqs=4)
+    spec_llm = LLM(fixture_dir("qwen3"), max_num_seqs=4, speculative_config={
+        "method": "draft_model", "model": fixture_dir("llama"), "num_speculative_tokens": 3, "max_verify_tokens": 16})
+    assert same_tokens(run(plain_llm, params, prompts), run(spec_llm, params, prompts))
+    assert spec_llm.speculative_stats()["verify_passes"] > 0

@@ -30,7 +30,7 @@ from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
-from fastdeploy_lp.engine.speculation import SpeculativeStats, Speculator
+from fastdeploy_lp.engine.speculation import SpeculativeStats, Speculator, build_proposer
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
@@ -97,7 +97,8 @@ class LLMEngine:
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
         self.stages = SamplingStages(self.sampler, self.pipeline, self.scheduler.share_inputs)
         spec = fd_config.speculative_config
-        self.speculator = None if spec is None else Speculator(spec, self.pipeline, self.scheduler)
+        self.speculator = None if spec is None else Speculator(spec, self.pipeline, self.scheduler,
+                                                               build_proposer(fd_config, self.tokenizer.vocab_size))
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pending = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.speculative_config import SpeculativeConfig
 
 
@@ -21,6 +22,14 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.max_n = config.prompt_lookup_max
         self.min_n = config.min_n
+
+    def propose_many(self, requests: list[Request], ks: list[int], budget: int) -> list[list[int]]:
+        """Up to `ks[i]` drafts for each of `requests`. A lookup is cheap next to a step, so each
+        request drafts its full k; the caller trims them to `budget` in turn."""
+        return [self.propose(np.asarray(r.prompt_ids + r.output_ids, dtype=np.int64), k) for r, k in zip(requests, ks)]
+
+    def keep(self, admissions: set[int]) -> None:
+        """Nothing is kept per request."""
 
     def propose(self, context: np.ndarray, k: int) -> list[int]:
         """Up to `k` drafts to follow `context` (int64 token ids); [] when no n-gram recurs."""

@@ -1,4 +1,5 @@
-"""`Speculator`: which running requests verify drafted tokens this step, and the counters.
+"""`Speculator`: which running requests verify drafted tokens this step, and the counters. The
+drafts come from prompt lookup (engine/ngram_proposer.py) or a draft model (engine/draft_model.py).
 
 Exactness comes from how a verify pass is sampled, not from here. A request with k drafts feeds its
 uncomputed tokens plus the drafts in one pass (a short prefill chunk over its paged KV cache) and
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.engine.draft_model import DraftModelProposer
 from fastdeploy_lp.engine.ngram_proposer import NgramProposer
 from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
@@ -74,10 +77,20 @@ class _Drafting:
     resume_at: int = 0  # the step from which it drafts again
 
 
+def build_proposer(fd_config: FDConfig, vocab_size: int) -> NgramProposer | DraftModelProposer:
+    """The drafter of `fd_config.speculative_config.method` (`vocab_size`: the tokenizer's)."""
+    config = fd_config.speculative_config
+    return DraftModelProposer(fd_config, vocab_size) if config.method == "draft_model" else NgramProposer(config)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, pipeline: LogitsProcessorPipeline, scheduler: SlotScheduler):
+    """Decides who drafts each step; `proposer` makes the drafts (`propose_many`) and keeps what it
+    holds per request only for the admissions it is told to (`keep`)."""
+
+    def __init__(self, config: SpeculativeConfig, pipeline: LogitsProcessorPipeline, scheduler: SlotScheduler,
+                 proposer: NgramProposer | DraftModelProposer):
         self.config = config
-        self.proposer = NgramProposer(config)
+        self.proposer = proposer
         self.pipeline = pipeline
         self.scheduler = scheduler
         self.stats = SpeculativeStats(config.method)
@@ -92,16 +105,17 @@ class Speculator:
         if self.scheduler.token_budget is not None:
             budget = min(budget, self.scheduler.token_budget - fed - sum(len(c.tokens) for c in chunks))
         self._requests = {r.admission: self._requests.get(r.admission) or _Drafting(self._blocks(r)) for r in running}
-        drafts: dict[int, list[int]] = {}
+        self.proposer.keep(set(self._requests))
         self._step += 1  # when the budget runs out, each request gets its turn to go first
         start = self._step % len(running) if running else 0
-        for request in running[start:] + running[:start]:
-            k = min(self.config.num_speculative_tokens, request.params.max_tokens - len(request.output_ids) - 1,
-                    budget)
-            if k <= 0 or request.forced_queue or not self._may_draft(self._requests[request.admission]):
-                continue
-            context = np.asarray(request.prompt_ids + request.output_ids, dtype=np.int64)
-            tokens = self.proposer.propose(context, k)
+        wanted = [(r, min(self.config.num_speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1))
+                  for r in running[start:] + running[:start]] if budget > 0 else []
+        wanted = [(r, k) for r, k in wanted
+                  if k > 0 and not r.forced_queue and self._may_draft(self._requests[r.admission])]
+        proposals = self.proposer.propose_many([r for r, _ in wanted], [k for _, k in wanted], budget)
+        drafts: dict[int, list[int]] = {}
+        for (request, _), tokens in zip(wanted, proposals):
+            tokens = tokens[:max(0, budget)]
             tokens = tokens[:self.scheduler.reserve_drafts(request, len(tokens))]
             if tokens:
                 drafts[request.slot] = tokens
