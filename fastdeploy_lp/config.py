@@ -206,9 +206,11 @@ class EngineArgs:
     speculative_config: str | dict | None = option(
         None, "Speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} drafts the tokens that followed the latest "
-              "match of the last n tokens in prompt + output and verifies them in one pass; outputs stay exactly "
-              "those of plain decoding; max_verify_tokens (8) caps a pass's decode tokens, so large batches back "
-              "off. Default: off. See docs/speculative_decoding.md.", group=DECODING,
+              "match of the last n tokens in prompt + output; {\"method\": \"draft_model\", \"model\": DIR, "
+              "\"num_speculative_tokens\": 4} drafts greedily with a smaller checkpoint sharing the tokenizer. "
+              "Drafts are verified in one pass; outputs stay exactly those of plain decoding; max_verify_tokens (8) "
+              "caps a pass's decode tokens, so large batches back off, and a request whose drafts keep being "
+              "rejected pauses drafting. Default: off. See docs/speculative_decoding.md.", group=DECODING,
         parse=parse_speculative_config, metavar="JSON")
     block_size: int = option(16, "Tokens per KV cache block.", group=CACHE, parse=positive_int, metavar="N")
     kv_cache_memory: float = option(4.0, "KV cache size on CPU, in GiB (never more than max_num_seqs full-length "
