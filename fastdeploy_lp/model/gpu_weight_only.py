@@ -48,4 +48,4 @@ def dequantize(weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
     k = weight.shape[1]
     parts = [linear(F.one_hot(paddle.arange(a, min(a + _IDENTITY_ROWS, k)), k).astype(scale.dtype), weight, None,
                     scale) for a in range(0, k, _IDENTITY_ROWS)]
-    return paddle.concat(parts).T  # rows of the identity are inputs: [in, out]
+    return paddle.concat(parts).T  # row i of the product is input i's column of the weight: [in, out]
