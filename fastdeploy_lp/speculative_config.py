@@ -17,6 +17,11 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 
 
+# bench/speculative.py's (k+1)-row pass against a 1-row step, per draft row: 0.04-0.06 on the
+# bench model (whose steps are bound by reading the weights); no draft row costs less.
+MIN_DRAFT_ROW_COST = 0.05
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`ngram` (prompt lookup): match the last n tokens (the longest n from `prompt_lookup_max`
@@ -33,11 +38,10 @@ class SpeculativeConfig:
     # CPU a pass of up to ~8 rows reads each weight once (bench/speculative.py: 5 rows cost 1.15x one
     # row on the bench model, 10 rows 1.5x, 20 rows 2.2x), so a large batch speculates less or not at all.
     max_verify_tokens: int = 8
-    # What one draft row adds to a decode step, as a fraction of a 1-row step: a request whose
-    # drafts gain less than this per row pauses drafting (engine/speculation.py). Measured by
-    # bench/speculative.py (a (k+1)-row pass against a 1-row step, over k): 0.04-0.06 on the bench
-    # model, 0.06-0.08 for the built-in model's forward pass alone.
-    draft_row_cost: float = 0.05
+    # What one draft row adds to a decode step, as a fraction of a plain step: a request whose
+    # drafts gain less pauses drafting (engine/speculation.py). None: the engine measures it, never
+    # below MIN_DRAFT_ROW_COST; a number fixes it (tests, or a value bench/speculative.py printed).
+    draft_row_cost: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -55,11 +59,15 @@ class SpeculativeConfig:
         if self.model is not None and not (isinstance(self.model, str) and os.path.isdir(self.model)):
             raise ValueError(f"speculative_config.model: must be a checkpoint directory, got {self.model!r}")
         cost = self.draft_row_cost
-        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 4:
+        if cost is not None and (not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 4):
             raise ValueError(f"speculative_config.draft_row_cost: must be a number in 0..4, got {cost!r}")
         if self.min_n > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+
+    @property
+    def measures_draft_cost(self) -> bool:
+        return self.draft_row_cost is None
 
     @property
     def min_n(self) -> int:

@@ -22,7 +22,10 @@ from fastdeploy_lp.engine.ngram_proposer import NgramProposer
 from fastdeploy_lp.processors import LogitsProcessor
 from fastdeploy_lp.speculative_config import SpeculativeConfig
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_verify_tokens": 64}
+# draft_row_cost fixed: the built-in model's measured cost would stop drafting in the batches these
+# tests verify exactness with.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_verify_tokens": 64,
+        "draft_row_cost": 0.05}
 PROMPTS = ["one two three four one two three four one two three four one two",
            "The capital of France is Paris. The capital of France is",
            "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -357,3 +360,33 @@ def test_a_different_checkpoint_as_draft_model_keeps_greedy_output_exact():
         "method": "draft_model", "model": fixture_dir("llama"), "num_speculative_tokens": 3, "max_verify_tokens": 16})
     assert same_tokens(run(plain_llm, params, prompts), run(spec_llm, params, prompts))
     assert spec_llm.speculative_stats()["verify_passes"] > 0
+
+
+def test_a_draft_row_costs_what_the_steps_measure_and_every_request_of_the_batch_pays_it():
+    """observe_step keeps a draft row's cost in plain steps (never below the configured floor), and
+    a pass's gain charges it once per running request: drafts that pay at batch 1 stop paying in a
+    batch whose every step they slow."""
+    from fastdeploy_lp.engine.speculation import Speculator
+    from fastdeploy_lp.speculative_config import MIN_DRAFT_ROW_COST, SpeculativeConfig
+
+    config = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4})
+    speculator = Speculator(config, pipeline=None, scheduler=None, proposer=None)
+    speculator.observe_step(0.010, 0)            # a plain step: 10 ms
+    for _ in range(60):
+        speculator.observe_step(0.018, 4)        # 4 draft rows: 8 ms more, 0.2 of a step each
+    assert abs(speculator.draft_row_cost - 0.2) < 0.01
+    speculator.observe_step(0.0101, 4)           # a cheap pass never takes it below the floor
+    assert speculator.draft_row_cost >= MIN_DRAFT_ROW_COST
+    fixed = Speculator(SpeculativeConfig.from_value({"method": "ngram", "draft_row_cost": 0.3}), None, None, None)
+    fixed.observe_step(0.010, 0)
+    fixed.observe_step(0.050, 4)                 # a fixed cost is not measured
+    assert fixed.draft_row_cost == 0.3
+
+    class _Request:
+        admission = 1
+    from fastdeploy_lp.engine.speculation import _Drafting
+    for batch, pauses in ((1, 0), (4, 1)):
+        speculator._requests = {1: _Drafting(blocked=False, gain=0.0)}
+        speculator._batch, speculator.stats.backoffs = batch, 0
+        speculator.record(_Request(), drafted=4, accepted=1)  # gains 1 - 0.2 x 4 x batch
+        assert speculator.stats.backoffs == pauses

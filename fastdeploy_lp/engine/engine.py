@@ -221,8 +221,11 @@ class LLMEngine:
         chunks = [c for c in chunks if c.request.slot is not None]  # a preempted request's chunk waits
         drafts = self.speculator.propose(running, chunks) if self.speculator else {}
         if running or chunks:
+            started = time.perf_counter()
             try:
                 self._decode(running, chunks, finished, drafts)
+                if self.speculator and not chunks:
+                    self.speculator.observe_step(time.perf_counter() - started, sum(map(len, drafts.values())))
             except Exception as e:  # no row of this pass can be trusted; the engine itself goes on
                 logger.exception("forward pass failed; failing the %d requests in it", len(running) + len(chunks))
                 self._fail(running + [c.request for c in chunks], e, finished)

@@ -16,13 +16,18 @@ The KV cache: drafts take blocks only if free ones allow without preempting anyo
 (`SlotScheduler.reserve_drafts`); only the keys and values of appended tokens are committed (and
 made findable in the prefix cache), and a rejected position's are overwritten by the next pass.
 
-Backing off per request: a draft row is not free (`draft_row_cost`, measured by bench/speculative.py
-as the cost of a k+1-row pass over a 1-row step), so a request whose drafts keep being rejected
-would make every step slower for nothing. Each request keeps a running average of what its verify
-passes gained, in decode steps: accepted drafts minus `draft_row_cost` per draft. When it falls
-below zero the request sits out a pause (4 steps, doubling on each pause in a row up to 256) and
-then tries one pass again; a pass that pays halves the next pause. Which drafts are verified never
-changes which tokens come out, so this changes speed only.
+Backing off per request: a draft row is not free, so a request whose drafts keep being rejected
+would make every step slower for nothing. A draft row costs a fraction of a plain decode step: the
+engine measures it (`observe_step`: decode steps with drafts against those without), never below
+`MIN_DRAFT_ROW_COST` (bench/speculative.py's k+1-row pass over a 1-row step on the bench model,
+0.05), unless `draft_row_cost` fixes it.
+It is paid by every request of the batch, since each waits for the longer step, while the
+accepted drafts advance only their own request: a pass gains, in steps of that request, its
+accepted drafts minus drafts x cost x batch size. Each request keeps a running average of that;
+when it falls below zero the request sits out a pause (4 steps, doubling on each pause in a row up
+to 256) and then tries one pass again; a pass that pays halves the next pause. Which drafts are
+verified never changes which tokens come out, so this changes speed only. (On the built-in 3.9M
+model a step is mostly per-row host work, and a draft row costs several times the bench model's.)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from fastdeploy_lp.engine.ngram_proposer import NgramProposer
 from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
 from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
-from fastdeploy_lp.speculative_config import SpeculativeConfig
+from fastdeploy_lp.speculative_config import MIN_DRAFT_ROW_COST, SpeculativeConfig
 
 
 @dataclass
@@ -66,6 +71,8 @@ class SpeculativeStats:
 # that usually copies; from the hopeful start, about seven rejected ones in a row do.
 GAIN_WEIGHT = 0.25
 FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps; a probe every 256 steps of k rejected rows costs < 0.1%
+STEP_WEIGHT = 0.25  # of a step's timing in the running averages of step time and draft-row cost
+PLAIN_STEP_EVERY = 16  # a step without drafts this often keeps the plain step's time measured
 
 
 @dataclass
@@ -96,6 +103,10 @@ class Speculator:
         self.stats = SpeculativeStats(config.method)
         self._requests: dict[int, _Drafting] = {}  # by admission
         self._step = 0
+        self._batch = 1  # running requests this step: each pays for the step's draft rows
+        self._plain_step_s: float | None = None  # running average of a decode step without drafts
+        # of a plain step: measured (observe_step) unless the config fixes it
+        self.draft_row_cost = MIN_DRAFT_ROW_COST if config.measures_draft_cost else config.draft_row_cost
 
     def propose(self, running: list[Request], chunks: list[Chunk]) -> dict[int, list[int]]:
         """Slot -> drafts for the running requests that verify some this step, within the step's
@@ -106,12 +117,16 @@ class Speculator:
             budget = min(budget, self.scheduler.token_budget - fed - sum(len(c.tokens) for c in chunks))
         self._requests = {r.admission: self._requests.get(r.admission) or _Drafting(self._blocks(r)) for r in running}
         self.proposer.keep(set(self._requests))
+        self._batch = max(1, len(running))
         self._step += 1  # when the budget runs out, each request gets its turn to go first
         start = self._step % len(running) if running else 0
         wanted = [(r, min(self.config.num_speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1))
                   for r in running[start:] + running[:start]] if budget > 0 else []
-        wanted = [(r, k) for r, k in wanted
-                  if k > 0 and not r.forced_queue and self._may_draft(self._requests[r.admission])]
+        # A draft gains at most one step of its request and costs draft_row_cost of a step for each
+        # running request: at or past cost x batch = 1 no acceptance rate can pay for it.
+        pays = self._step % PLAIN_STEP_EVERY != 1 and self.draft_row_cost * len(running) < 1
+        wanted = [(r, k) for r, k in wanted if k > 0 and not r.forced_queue
+                  and self._may_draft(self._requests[r.admission])] if pays else []
         proposals = self.proposer.propose_many([r for r, _ in wanted], [k for _, k in wanted], budget)
         drafts: dict[int, list[int]] = {}
         for (request, _), tokens in zip(wanted, proposals):
@@ -131,13 +146,27 @@ class Speculator:
         state = self._requests.get(request.admission)
         if state is None:
             return
-        state.gain += GAIN_WEIGHT * (accepted - self.config.draft_row_cost * drafted - state.gain)
+        cost = self.draft_row_cost * drafted * self._batch
+        state.gain += GAIN_WEIGHT * (accepted - cost - state.gain)
         if state.gain >= 0:
             state.pause //= 2
             return
         state.pause = min(LONGEST_PAUSE, max(FIRST_PAUSE, 2 * state.pause))
         state.resume_at = self._step + 1 + state.pause
         self.stats.backoffs += 1
+
+    def observe_step(self, seconds: float, draft_rows: int) -> None:
+        """A decode step (no prompt chunks) took `seconds` with `draft_rows` draft rows: keep the
+        running averages of a plain step's time and of a draft row's cost in plain steps."""
+        if not self.config.measures_draft_cost:
+            return
+        if not draft_rows:
+            plain = self._plain_step_s
+            self._plain_step_s = seconds if plain is None else plain + STEP_WEIGHT * (seconds - plain)
+        elif self._plain_step_s:
+            measured = max(0.0, seconds / self._plain_step_s - 1) / draft_rows
+            cost = self.draft_row_cost + STEP_WEIGHT * (measured - self.draft_row_cost)
+            self.draft_row_cost = max(MIN_DRAFT_ROW_COST, cost)
 
     def _may_draft(self, state: _Drafting) -> bool:
         paused = self._step < state.resume_at
