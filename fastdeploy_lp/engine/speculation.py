@@ -73,6 +73,7 @@ GAIN_WEIGHT = 0.25
 FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps; a probe every 256 steps of k rejected rows costs < 0.1%
 STEP_WEIGHT = 0.25  # of a step's timing in the running averages of step time and draft-row cost
 PLAIN_STEP_EVERY = 16  # a step without drafts this often keeps the plain step's time measured
+MAX_DRAFT_ROW_COST = 0.5  # of a plain step, the most a measurement counts
 
 
 @dataclass
@@ -164,7 +165,10 @@ class Speculator:
             plain = self._plain_step_s
             self._plain_step_s = seconds if plain is None else plain + STEP_WEIGHT * (seconds - plain)
         elif self._plain_step_s:
-            measured = max(0.0, seconds / self._plain_step_s - 1) / draft_rows
+            # One slow step (a collection, the OS) must not read as a dear draft row: capped at half a
+            # step (the built-in model's rows measure ~0.25), so a lone request always drafts and its
+            # own back-off decides.
+            measured = min(MAX_DRAFT_ROW_COST, max(0.0, seconds / self._plain_step_s - 1) / draft_rows)
             cost = self.draft_row_cost + STEP_WEIGHT * (measured - self.draft_row_cost)
             self.draft_row_cost = max(MIN_DRAFT_ROW_COST, cost)
 
