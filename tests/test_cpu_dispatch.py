@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import paddle
@@ -134,3 +135,14 @@ def test_a_wider_or_unknown_isa_is_refused(isa_switch):
     if native != "avx512":
         with pytest.raises(ValueError, match="this CPU runs"):
             isa_switch("avx512")
+
+
+def test_a_kernel_within_the_edge_of_paddles_op_wins_and_one_past_it_loses():
+    """`edge` is the share by which a kernel may be slower and still win (the linear kernel's, for
+    the one-call decoder layer it enables); without it only a faster kernel wins."""
+    def taking(seconds):
+        return lambda: time.sleep(seconds)
+
+    assert cpu_dispatch._kernel_wins(taking(0.0104), taking(0.010), edge=0.2)
+    assert not cpu_dispatch._kernel_wins(taking(0.0104), taking(0.010))
+    assert not cpu_dispatch._kernel_wins(taking(0.015), taking(0.010), edge=cpu_dispatch.FUSED_LAYER_EDGE)

@@ -18,7 +18,11 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 | `widen`     | all (16-bit and int8 weights only) | 8 MB of layer 0's gate/up weight to float32     |
 
 Each decision compares 5 interleaved timings of each side by the mean of their three fastest (noise
-only adds time; no single sample decides), and the kernel wins only if it is lower. The choices are cached beside the compiled library, keyed by the
+only adds time; no single sample decides), and the kernel wins only if it is lower, but for
+`linear`, where it wins within `FUSED_LAYER_EDGE`: the one-call decoder layer (`fused_layer.py`)
+runs only with the kernel linear, and its saving (~6% of a batch-1 step on the bench model), which
+a per-op timing cannot see, was lost to a tie on the AVX2 build (batch 1: 9.7 tok/s on `auto`
+against 10.5 with every kernel). The choices are cached beside the compiled library, keyed by the
 model's shapes and the thread count, so the calibration (0.2-0.6 s) happens once per machine and
 model, and they are logged once per process.
 """
@@ -44,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 SAMPLES = 5
 SET_BYTES = 32 << 20  # weights one linear timing reads; sets are read in turn so none is cache-hot
+FUSED_LAYER_EDGE = 0.05  # the linear kernel wins unless Paddle's op is this much faster
 _logged: set[str] = set()
 
 
@@ -109,7 +114,7 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             sets = itertools.cycle(weights)  # shared: consecutive timings read different sets
             plan[f"linear:{name}"] = _kernel_wins(
                 lambda: [kernels.linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)],
-                lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)])
+                lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)], edge=FUSED_LAYER_EDGE)
         for bucket, rows in (("decode", 32), ("prefill", 256)):
             gate_up = paddle.randn([rows, width])
             plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up))
@@ -132,10 +137,11 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
     return plan
 
 
-def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) -> bool:
+def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object], edge: float = 0.0) -> bool:
     """Whether `kernel` is faster over SAMPLES interleaved runs of each (after one each to warm up),
     comparing the mean of each one's three fastest runs: noise from other processes only adds
-    time, and one lucky run decides nothing."""
+    time, and one lucky run decides nothing. With an `edge`, the kernel also wins when it is at
+    most that fraction slower."""
     kernel(), reference()
     times: dict[int, list[float]] = {0: [], 1: []}
     for _ in range(SAMPLES):
@@ -143,7 +149,7 @@ def _kernel_wins(kernel: Callable[[], object], reference: Callable[[], object]) 
             start = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - start)
-    return statistics.fmean(sorted(times[0])[:3]) < statistics.fmean(sorted(times[1])[:3])
+    return statistics.fmean(sorted(times[0])[:3]) < (1 + edge) * statistics.fmean(sorted(times[1])[:3])
 
 
 def _weight_sets(model) -> list[list[tuple[paddle.Tensor, paddle.Tensor | None]]]:
