@@ -26,8 +26,6 @@ class DecoderLayer(nn.Layer):
         self.mlp = MLP(config, shard)
 
     def forward(self, x, batch, rotary, kv_cache):
-        if (kernels := fused_layer_kernels(self, x, batch, kv_cache)) is not None:
-            return run_fused_layer(kernels, self, x, batch, rotary, kv_cache)
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -92,8 +90,13 @@ class DecoderForCausalLM(nn.Layer):
 
     def forward(self, input_ids: paddle.Tensor, batch: AttentionBatch, kv_caches=None) -> paddle.Tensor:
         x = self.embed(input_ids)
+        # Every layer has the same shape and this pass's rows: whether they run in one kernel call
+        # each is decided once per pass, not per layer.
+        fused = None if kv_caches is None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
+            cache = None if kv_caches is None else kv_caches[i]
+            x = layer(x, batch, self.rotary, cache) if fused is None else run_fused_layer(
+                fused, layer, x, batch, self.rotary, cache)
         return self.norm(x)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
