@@ -29,7 +29,11 @@ each draft position as a plain step would have shown it: after the step's own `u
 `step_idx` and `next_tokens` hold the first d drafts (the other slots read as stopped), then
 `apply` on those slots' rows at that position, in slot order. Then `update_state` once more with
 the step's real state (rejected drafts are gone; accepted tokens arrive with the next step, as
-several tokens at once). Forced tokens or an exception at a depth only stop acceptance there.
+several tokens at once). An exception at a depth only stops acceptance there; tokens forced at a
+depth are appended there unsampled, as fast-forward appends them, and acceptance goes on past them
+only if the drafts were those tokens. Before the pass, `refine_drafts` lets a processor that knows
+tokens for certain (a grammar) correct a request's drafts: cut what it would reject, and draft
+what it forces.
 A processor with state it can roll back cheaply (a grammar matcher) overrides `update_draft_state`
 and `end_drafts` instead of being shown the depths through `update_state`. A processor without
 it (the default) is never shown a draft: the requests that enable it decode without speculation.
@@ -214,6 +218,13 @@ class LogitsProcessor(ABC):
     def end_drafts(self, share_inputs: ShareInputs) -> None:
         """After the draft depths, with the step's real `share_inputs`: by default `update_state`."""
         self.update_state(share_inputs)
+
+    def refine_drafts(self, slot: int, drafts: list[int], limit: int) -> list[int]:
+        """Before a verify pass, the drafts for request `slot`'s next positions (at most `limit`)
+        as this processor would make them; called in registration order for the processors a request
+        enables that take part, each given what the one before returned. Drafts change how fast
+        tokens come, never which. By default unchanged."""
+        return drafts
 
     def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
         """Modify the `[active_slots, vocab]` logits (in place allowed) and return them. A processor

@@ -185,16 +185,32 @@ class LogitsProcessorPipeline:
                 for name, p in zip(stage.names, stage.processors)
                 if type(p).is_enabled_by(args, params) and not p.supports_speculation_for(params)]
 
+    def refine_drafts(self, slot: int, args, params, drafts: list[int], limit: int) -> list[int]:
+        """A request's drafts through `refine_drafts` of each registered processor it enables; one
+        that raises, or returns anything but token ids, is passed by (drafts only change speed)."""
+        for name, p in zip(self.registered.names, self.registered.processors):
+            if not type(p).is_enabled_by(args, params) or not p.supports_speculation_for(params):
+                continue
+            try:
+                refined = p.refine_drafts(slot, list(drafts), limit)
+            except Exception:
+                logger.exception("logits processor %s failed to refine drafts; keeping them", name)
+                continue
+            if isinstance(refined, list) and all(type(t) is int and 0 <= t < self.registered.vocab_size
+                                                 for t in refined):
+                drafts = refined[:limit]
+        return drafts
+
     def takes_drafts(self, sampling_params: bool) -> bool:
         """Whether a processor of the stage that takes part serves a request this step (else the
         draft depths pass it by)."""
         return (self.sampling_stage if sampling_params else self.registered).takes_drafts()
 
     def apply_draft_depth(self, logits: paddle.Tensor, draft_inputs: ShareInputs, all_greedy: bool,
-                          sampling_params: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+                          sampling_params: bool) -> tuple[paddle.Tensor, dict[int, str], dict[int, tuple[int, ...]]]:
         """The rows of one draft depth through the registered processors (or, with `sampling_params`,
         the request-level logit_bias / bad_words stage) that take part, shown `draft_inputs`;
-        returns the logits and {slot: why} for rows that cannot be used."""
+        returns the logits, {slot: why} for rows that cannot be used and {slot: tokens} forced there."""
         stage, inputs = self._stage_inputs(draft_inputs, sampling_params)
         return stage.apply_draft(logits, inputs, self._draft_view.build(inputs), all_greedy)
 
@@ -313,11 +329,14 @@ class _Stage:
         return any(on and type(p).supports_speculation for on, p in zip(self._enabled, self.processors))
 
     def apply_draft(self, logits: paddle.Tensor, share_inputs: ShareInputs, view: dict,
-                    all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str]]:
+                    all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str], dict[int, tuple[int, ...]]]:
         """One draft depth: each processor that takes part and serves a row here gets
-        `update_draft_state` on `view`, then `apply`. One that raises, or forces tokens, makes its rows here unusable
-        ({slot: why}): plain decoding might not have sampled there, so acceptance stops before them."""
+        `update_draft_state` on `view`, then `apply`. Returns the logits, the rows that cannot be
+        used ({slot: why}: a processor raised there, so acceptance stops before them) and the
+        tokens forced there ({slot: tokens}: plain decoding would append them unsampled at this
+        position, so the engine does; tokens two processors force at one position are unusable)."""
         unusable: dict[int, str] = {}
+        forced_here: dict[int, tuple[int, ...]] = {}
         rows = _active_rows(share_inputs)
         for i, p in enumerate(self.processors):
             enabled = self._enabled_slots(i, rows)
@@ -328,9 +347,7 @@ class _Stage:
             published, start = mine["forced_tokens"], time.perf_counter()
             try:
                 p.update_draft_state(mine)
-                forced = {slot for slot, queue in enumerate(published) if queue}
-                for slot in (forced if forced <= enabled else enabled):
-                    unusable.setdefault(slot, f"logits processor {self.names[i]} forced tokens here")
+                self._take_draft_forced(i, published, enabled, forced_here, unusable)
                 if not (all_greedy and type(p).argmax_invariant):
                     logits = _applied(p, logits)
             except BaseException as e:
@@ -339,7 +356,24 @@ class _Stage:
                 for slot in enabled:
                     unusable.setdefault(slot, f"logits processor {self.names[i]} failed at a draft: {e}")
             self.timings[self.names[i]].apply_seconds += time.perf_counter() - start
-        return logits, unusable
+        return logits, unusable, {slot: run for slot, run in forced_here.items() if slot not in unusable}
+
+    def _take_draft_forced(self, i, published, enabled, forced_here, unusable) -> None:
+        """Processor i's forced tokens at a draft depth, checked as a round's are; tokens that break
+        the contract, or a second processor forcing the same row, make the rows unusable instead."""
+        empty = [[] for _ in published] if isinstance(published, list) else []
+        try:
+            result = ForcedTokens.read(self.names[i], empty, published)
+            result.check(enabled, self.vocab_size, empty, self.max_forced)
+        except ForcedTokensError:
+            for slot in enabled:
+                unusable.setdefault(slot, f"logits processor {self.names[i]} forced tokens it may not here")
+            return
+        for slot, run in result.tokens.items():
+            if slot in forced_here:
+                unusable.setdefault(slot, f"logits processors {self.names[i]} and another forced tokens here")
+            else:
+                forced_here[slot] = tuple(int(t) for t in run)
 
     def restore(self, share_inputs: ShareInputs, view: dict) -> dict[int, str]:
         """`end_drafts` with the step's real state for each processor that saw a draft depth (its

@@ -145,6 +145,64 @@ def test_guided_decoding_advances_its_matchers_over_drafts_and_rolls_them_back(p
     assert spec.speculative_stats()["requests_not_speculating"] == after["requests_not_speculating"] + 1
 
 
+CUSTOMERS = {"type": "array", "minItems": 3, "maxItems": 4, "items": {
+    "type": "object", "properties": {"customer_full_name": {"type": "string", "maxLength": 12},
+                                     "customer_age_in_years": {"type": "integer"},
+                                     "preferred_city": {"enum": ["Paris", "Berlin", "Rome"]}},
+    "required": ["customer_full_name", "customer_age_in_years", "preferred_city"], "additionalProperties": False}}
+
+
+def test_tokens_a_grammar_forces_at_draft_positions_are_appended_in_the_same_pass(plain, spec):
+    """Repeated JSON keys: the drafts run into spans the schema forces, which the verify pass
+    appends as fast-forward would (logprob 0), and goes on past when the drafts were them."""
+    stats = spec.speculative_stats()
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=120, logprobs=1,
+                             guided_decoding=GuidedDecodingParams(json=CUSTOMERS)) for t in (0, 0.7)]
+    prompts = ["List customers as JSON: ", "The capital of France is Paris. Customers:"]
+    steps = []
+    for llm in (plain, spec):
+        before = llm.engine.num_steps
+        outputs = run(llm, params, prompts)
+        steps.append(llm.engine.num_steps - before)
+        if llm is plain:
+            want = outputs
+    assert same_tokens(want, outputs)
+    for x, y in zip(want, outputs):
+        assert y.outputs.text.startswith('[{"customer_full_name": "')
+        assert all(abs(u.logprob - v.logprob) < 1e-4 for u, v in zip(x.outputs.logprobs, y.outputs.logprobs))
+    after = spec.speculative_stats()
+    assert after["forced_tokens"] - stats["forced_tokens"] > 20
+    assert steps[1] < steps[0]
+
+
+def test_drafts_are_refined_by_the_grammar_cutting_what_it_rejects_and_drafting_what_it_forces(plain, monkeypatch):
+    """A drafter that guesses the next token right and then nonsense: the grammar cuts the nonsense
+    and drafts what it forces after the guess, so the verify pass finishes the answer a step
+    earlier than plain decoding, or than the same drafts unrefined; the output is the same."""
+    grammar = GuidedDecodingParams(grammar='start: ("yes" | "no") " and " ("yes" | "no") " indeed"')
+    params = SamplingParams(temperature=0, max_tokens=24, guided_decoding=grammar, logprobs=0)
+    steps = plain.engine.num_steps
+    want = run(plain, params, PROMPTS[3:4])[0]
+    steps = plain.engine.num_steps - steps
+    llm = LLM(max_num_seqs=2, speculative_config={**SPEC, "num_speculative_tokens": 8})
+    nonsense = llm.tokenizer.encode(" zebra zebra")
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", lambda context, k: [
+        want.outputs.token_ids[len(context) - len(want.prompt_token_ids)]] + nonsense)
+    for refined in (False, True):
+        if not refined:
+            monkeypatch.setattr(llm.engine.pipeline, "refine_drafts", lambda slot, args, params, drafts, k: drafts)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(llm.engine.speculator.proposer, "propose", lambda context, k: [
+                want.outputs.token_ids[len(context) - len(want.prompt_token_ids)]] + nonsense)
+        before, stats = llm.engine.num_steps, llm.speculative_stats()
+        got = run(llm, params, PROMPTS[3:4])[0].outputs
+        assert (got.token_ids, got.text) == (want.outputs.token_ids, want.outputs.text)
+        assert np.allclose([lp.logprob for lp in got.logprobs], [lp.logprob for lp in want.outputs.logprobs], atol=1e-4)
+        assert llm.speculative_stats()["forced_tokens"] > stats["forced_tokens"]  # appended by the verify pass
+        assert llm.engine.num_steps - before == (steps - 1 if refined else steps)
+
+
 def test_stop_strings_and_max_tokens_inside_accepted_runs(plain, spec):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     text = run(plain, greedy, PROMPTS[:1])[0].outputs.text
@@ -283,7 +341,7 @@ def test_sampled_verification_keeps_the_distribution_chi_square():
     stages = SamplingStages(Sampler(n, len(p), eos_token_ids=[]))
     logits = paddle.to_tensor(np.tile(np.log(p), (2 * n, 1)).astype(np.float32))  # 2 rows per request
     rows = stages.run(StepRows.verify(logits, requests, {i: [draft] for i in range(n)}))
-    first = np.array([rows.tokens[rows.emitted(i)[0]] for i in range(n)])
+    first = np.array([rows.emitted(i)[0][0] for i in range(n)])
     kept = first == draft
 
     def chi_square(counts, probs):

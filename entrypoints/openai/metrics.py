@@ -25,6 +25,7 @@
 | fastdeploy_lp:spec_decode_requests_not_speculating_total{method} | counter | requests that enabled a processor that cannot take part, decoded without drafts |
 | fastdeploy_lp:spec_decode_backoffs_total{method}        | counter | pauses requests took because their drafts did not pay |
 | fastdeploy_lp:spec_decode_paused_steps_total{method}    | counter | request-steps spent in those pauses       |
+| fastdeploy_lp:spec_decode_forced_tokens_total{method}   | counter | tokens a grammar (any processor) forced at draft positions, appended by verify passes |
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class _SpeculativeCollector:
                 ("spec_decode_backoffs", "Pauses requests took because their drafts did not pay.", "backoffs",
                  CounterMetricFamily),
                 ("spec_decode_paused_steps", "Request-steps spent in those pauses.", "paused_steps",
-                 CounterMetricFamily)):
+                 CounterMetricFamily),
+                ("spec_decode_forced_tokens", "Tokens processors forced at draft positions, appended by "
+                 "verify passes.", "forced_tokens", CounterMetricFamily)):
             metric = family(PREFIX + name, doc, labels=["method"])
             metric.add_metric([stats["method"]], stats[key])
             yield metric

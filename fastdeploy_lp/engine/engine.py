@@ -343,24 +343,25 @@ class LLMEngine:
             else:
                 self._append_rows(request, rows, rows.emitted(row), now, finished)
 
-    def _append_rows(self, request: Request, rows: StepRows, emitted: list[int], now: float,
+    def _append_rows(self, request: Request, rows: StepRows, emitted: list[tuple[int, int | None]], now: float,
                      finished: list[Request]) -> None:
-        """Append the tokens of a request's `emitted` rows (one per depth) in order, until one
-        finishes it. A token equal to the draft at its depth is an accepted draft: this pass
+        """Append a request's `emitted` tokens in order, until one finishes it: each sampled row's
+        token, and tokens processors forced at a draft depth (row None) as fast-forward appends
+        them. While each token equals the draft at its position it is an accepted draft: this pass
         computed its keys and values, so they are committed."""
         draft = rows.drafts.get(request.slot, [])
         accepted = 0
-        for depth, row in enumerate(emitted):
-            token = int(rows.tokens[row])
-            self._append(request, token, rows.logprobs[row], now, finished)
-            if depth >= len(draft) or token != draft[depth]:
-                break
-            accepted += 1
+        for position, (token, row) in enumerate(emitted):
+            logprob = forced_logprob(request, token) if row is None else rows.logprobs[row]
+            self._append(request, token, logprob, now, finished)
+            if accepted == position < len(draft) and token == draft[position]:
+                accepted += 1
+                if not request.finished:
+                    self.scheduler.commit(request, 1)
             if request.finished:
                 break
-            self.scheduler.commit(request, 1)
         if draft:
-            self.speculator.record(request, len(draft), accepted)
+            self.speculator.record(request, len(draft), accepted, sum(row is None for _, row in emitted))
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

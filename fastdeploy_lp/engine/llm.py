@@ -114,7 +114,7 @@ class LLM:
     def speculative_stats(self) -> dict[str, Any]:
         """Speculative decoding since this `LLM` started: `method` (None when off), `drafted_tokens`,
         `accepted_tokens`, `acceptance_rate`, `verify_passes`, `requests_not_speculating`,
-        `backoffs`, `paused_steps` (the numbers /metrics serves)."""
+        `backoffs`, `paused_steps`, `forced_tokens` (the numbers /metrics serves)."""
         return self.engine.speculative_stats()
 
     def _run(self, prompts, sampling_params, use_tqdm, add_special_tokens=True) -> list[RequestOutput]:

@@ -55,6 +55,7 @@ class SpeculativeStats:
     # (a preempted request is admitted again when it resumes, and counted again)
     backoffs: int = 0           # pauses requests took because their drafts did not pay
     paused_steps: int = 0       # request-steps spent in those pauses
+    forced_tokens: int = 0      # tokens processors forced at draft depths, appended by verify passes
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,7 +65,7 @@ class SpeculativeStats:
         return {"method": self.method, "drafted_tokens": self.drafted_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "verify_passes": self.verify_passes, "requests_not_speculating": self.requests_not_speculating,
-                "backoffs": self.backoffs, "paused_steps": self.paused_steps}
+                "backoffs": self.backoffs, "paused_steps": self.paused_steps, "forced_tokens": self.forced_tokens}
 
 
 # The running average weighs the latest pass by a quarter: one unlucky pass does not stop a request
@@ -130,7 +131,8 @@ class Speculator:
                   and self._may_draft(self._requests[r.admission])] if pays else []
         proposals = self.proposer.propose_many([r for r, _ in wanted], [k for _, k in wanted], budget)
         drafts: dict[int, list[int]] = {}
-        for (request, _), tokens in zip(wanted, proposals):
+        for (request, k), tokens in zip(wanted, proposals):
+            tokens = self.pipeline.refine_drafts(request.slot, request.args, request.params, tokens, k)
             tokens = tokens[:max(0, budget)]
             tokens = tokens[:self.scheduler.reserve_drafts(request, len(tokens))]
             if tokens:
@@ -140,10 +142,12 @@ class Speculator:
         self.stats.verify_passes += len(drafts)
         return drafts
 
-    def record(self, request: Request, drafted: int, accepted: int) -> None:
-        """A verify pass of `request` kept `accepted` of its `drafted` drafts: count it, and pause
-        the request's drafting when its recent passes cost more than they gained."""
+    def record(self, request: Request, drafted: int, accepted: int, forced: int = 0) -> None:
+        """A verify pass of `request` kept `accepted` of its `drafted` drafts and appended `forced`
+        tokens processors forced at draft depths: count it, and pause the request's drafting when
+        its recent passes cost more than they gained."""
         self.stats.accepted_tokens += accepted
+        self.stats.forced_tokens += forced
         state = self._requests.get(request.admission)
         if state is None:
             return

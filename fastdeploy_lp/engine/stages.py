@@ -75,7 +75,8 @@ def run_by_depth(rows: StepRows, share_inputs: ShareInputs, pipeline: LogitsProc
     """Processors over every row: the depth-0 rows (a plain step's) through `apply` as always; in a
     verify pass each further depth's rows through the processors that take part in speculation,
     shown `share_inputs` as of that position (`draft_share_inputs`), and then their state brought
-    back to the step's real one. What fails at a draft depth only ends acceptance there."""
+    back to the step's real one. What fails at a draft depth only ends acceptance there; tokens
+    forced there are appended as plain decoding would append them (`StepRows.emitted`)."""
     groups = rows.depth_groups()
     drafting = len(groups) > 1 and pipeline.takes_drafts(sampling_params)
     parts = []
@@ -86,8 +87,9 @@ def run_by_depth(rows: StepRows, share_inputs: ShareInputs, pipeline: LogitsProc
         if depth == 0:
             logits, failures = apply(logits, share_inputs, greedy)
         elif drafting:
-            logits, failures = pipeline.apply_draft_depth(
+            logits, failures, forced = pipeline.apply_draft_depth(
                 logits, draft_share_inputs(share_inputs, rows.drafts, depth), greedy, sampling_params)
+            rows.force(forced, depth)
         rows.fail_slots(failures, depth)
         parts.append(logits)
     if drafting:

@@ -31,6 +31,7 @@ class StepRows:
     depths: np.ndarray | None = None       # int64 [rows]: drafts before the row's position (None: all 0)
     drafts: dict[int, list[int]] = field(default_factory=dict)    # slot -> the drafts this pass verifies
     truncated: dict[int, int] = field(default_factory=dict)       # slot -> first depth whose row is unusable
+    forced: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)  # slot -> depth -> tokens forced there
     rows_of: list[list[int]] = field(default_factory=list)        # per request (given order): its rows by depth
 
     @classmethod
@@ -94,17 +95,36 @@ class StepRows:
         for slot in slots:
             self.truncated[slot] = min(depth, self.truncated.get(slot, depth))
 
-    def emitted(self, i: int) -> list[int]:
-        """The rows whose tokens request `i` (in the order given) appends: a plain step's one row; in
-        a verify pass each depth's row while its token equals the draft there, then the first that
-        differs (or the row after the last draft). Each such row saw exactly the history before it."""
+    def force(self, forced: dict[int, tuple[int, ...]], depth: int) -> None:
+        """Processors forced these tokens ({slot: tokens}) at the rows of `depth`."""
+        for slot, tokens in forced.items():
+            self.forced.setdefault(slot, {})[depth] = tokens
+
+    def emitted(self, i: int) -> list[tuple[int, int | None]]:
+        """(token, row) of each token request `i` (in the order given) appends: a plain step's one
+        row; in a verify pass each depth's row while its token equals the draft there, then the
+        first that differs (or the row after the last draft). Where processors forced tokens at a
+        depth, all of them are appended unsampled (row None), as plain decoding's fast-forward
+        would, and the walk goes on past them only if the drafts there were those very tokens.
+        Each row used saw exactly the history before it."""
         rows, slot = self.rows_of[i], self.requests[self.rows_of[i][0]].slot
-        draft = self.drafts.get(slot, [])
-        out = []
-        for depth in range(min(len(rows), self.truncated.get(slot, len(rows)))):
-            out.append(rows[depth])
-            if depth == len(draft) or int(self.tokens[rows[depth]]) != draft[depth]:
+        draft, forced = self.drafts.get(slot, []), self.forced.get(slot, {})
+        usable = min(len(rows), self.truncated.get(slot, len(rows)))
+        out: list[tuple[int, int | None]] = []
+        depth = 0
+        while depth < usable:
+            run = forced.get(depth)
+            if run:
+                out += [(token, None) for token in run]
+                if list(draft[depth:depth + len(run)]) != list(run):
+                    break
+                depth += len(run)
+                continue
+            token = int(self.tokens[rows[depth]])
+            out.append((token, rows[depth]))
+            if depth == len(draft) or token != draft[depth]:
                 break
+            depth += 1
         return out
 
     def draft_history(self) -> tuple[np.ndarray, np.ndarray]:

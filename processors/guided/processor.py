@@ -117,6 +117,7 @@ class _SlotMatcher:
         self.req_id = req_id
         self.consumed = 0  # output tokens accounted for
         self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
+        self.failure: str | None = None  # set where a failure cannot be raised (refine_drafts)
 
     @property
     def budget(self) -> int:
@@ -131,7 +132,7 @@ class _SlotMatcher:
     def step(self, forced: list[int] | None) -> str | None:
         """One decode step: `advance`, then `publish_forced` (when the engine takes forced tokens);
         an error message if either fails or the matcher is left in an error state."""
-        error = self.advance()
+        error = self.failure or self.advance()
         if error is None and forced is not None:
             error = self.publish_forced(forced)
         if error is None and self.matcher.is_error():
@@ -372,16 +373,15 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         this step left it otherwise) and its row is masked as plain decoding would mask it there. A
         matcher that rejects a draft gets no mask: the row before already masked that draft out, so
         this row is never used. Where the grammar forces tokens, they are published: plain decoding
-        would append them unsampled, so acceptance stops there."""
+        would append them unsampled there, and so does the engine."""
         self._join()
         self._clear_rows()
         for row, slot in enumerate(active_slots(share_inputs).tolist()):
             state = self._slots[slot]
             if state is None:
                 continue
-            if state.ahead:  # forced tokens still on their way: plain decoding appends them next
-                share_inputs["forced_tokens"][slot].extend(state.ahead)
-                continue
+            if state.ahead:  # never drafted: the engine drafts for no request with forced tokens queued
+                raise RuntimeError(f"slot {slot}: shown a draft depth with forced tokens still queued")
             drafted = self._drafted.get(slot, 0)
             new = list(share_inputs["output_ids"][slot][state.consumed + drafted:])
             fits = state.matcher.validate_tokens(new) if new else 0
@@ -398,6 +398,36 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if self._rows:
             work = [(matcher, j) for j, matcher in enumerate(self._row_matchers)]
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
+
+    def refine_drafts(self, slot: int, drafts: list[int], limit: int) -> list[int]:
+        """Drafts the grammar agrees with: the lookup's drafts while the grammar accepts them, and
+        where it forces tokens, those in their place (plain decoding appends them for certain, so
+        verifying them costs a row and never fails), up to `limit`. The matcher walks them and is
+        rolled back."""
+        self._join()  # this step's mask fill reads the matchers
+        state = self._slots[slot]
+        if state is None or state.ahead or not state.answering:
+            return drafts
+        matcher, refined, guessed = state.matcher, [], 0
+        try:
+            while len(refined) < limit and not matcher.is_stopped():
+                step = matcher.compute_ff_tokens()
+                if step:  # the lookup's guesses past here hold only if they were these very tokens
+                    guessed = guessed + len(step) if drafts[guessed:guessed + len(step)] == step else len(drafts)
+                elif guessed < len(drafts) and matcher.validate_tokens(drafts[guessed:guessed + 1]):
+                    step, guessed = drafts[guessed:guessed + 1], guessed + 1
+                else:
+                    break
+                if not matcher.consume_tokens(step):
+                    raise RuntimeError(state.error())
+                refined += step
+        except Exception as e:
+            state.failure = f"guided decoding: the grammar engine failed on drafts: {e}"
+            raise
+        finally:
+            if refined and not matcher.rollback(len(refined)):
+                state.failure = f"guided decoding: the grammar engine could not roll back drafts: {state.error()}"
+        return refined[:limit]
 
     def end_drafts(self, share_inputs: ShareInputs) -> None:
         """Roll every matcher back to where the step left it; the accepted tokens reach it through
