@@ -29,7 +29,8 @@ each draft position as a plain step would have shown it: after the step's own `u
 `step_idx` and `next_tokens` hold the first d drafts (the other slots read as stopped), then
 `apply` on those slots' rows at that position, in slot order. Then `update_state` once more with
 the step's real state (rejected drafts are gone; accepted tokens arrive with the next step, as
-several tokens at once). An exception at a depth only stops acceptance there; tokens forced at a
+several tokens at once). An exception at a depth only stops acceptance there (`RequestFailures`
+from `update_draft_state` only for the slots it names: `apply` still runs for the others); tokens forced at a
 depth are appended there unsampled, as fast-forward appends them, and acceptance goes on past them
 only if the drafts were those tokens. Before the pass, `refine_drafts` lets a processor that knows
 tokens for certain (a grammar) correct a request's drafts: cut what it would reject, and draft

@@ -332,7 +332,8 @@ class _Stage:
                     all_greedy: bool) -> tuple[paddle.Tensor, dict[int, str], dict[int, tuple[int, ...]]]:
         """One draft depth: each processor that takes part and serves a row here gets
         `update_draft_state` on `view`, then `apply`. Returns the logits, the rows that cannot be
-        used ({slot: why}: a processor raised there, so acceptance stops before them) and the
+        used ({slot: why}: a processor raised there, or named them in `RequestFailures` from
+        `update_draft_state` and still applies to the others, so acceptance stops before them) and the
         tokens forced there ({slot: tokens}: plain decoding would append them unsampled at this
         position, so the engine does; tokens two processors force at one position are unusable)."""
         unusable: dict[int, str] = {}
@@ -346,7 +347,13 @@ class _Stage:
             mine = StepView.for_processor(view, [[] for _ in share_inputs["stop_flags"]])
             published, start = mine["forced_tokens"], time.perf_counter()
             try:
-                p.update_draft_state(mine)
+                try:
+                    p.update_draft_state(mine)
+                except RequestFailures as e:  # rows it cannot serve here; it serves the others
+                    if not e.failures.keys() <= enabled:
+                        raise
+                    for slot, message in e.failures.items():
+                        unusable.setdefault(slot, f"logits processor {self.names[i]}: {message}")
                 self._take_draft_forced(i, published, enabled, forced_here, unusable)
                 if not (all_greedy and type(p).argmax_invariant):
                     logits = _applied(p, logits)

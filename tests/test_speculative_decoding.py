@@ -381,6 +381,50 @@ def test_tool_call_constraints_are_the_same_with_drafts(plain, spec, tool_choice
     assert same_tokens(a, b)
 
 
+def test_thinking_budget_takes_part_and_forces_the_same_close():
+    engines = [LLM(max_num_seqs=4, logits_processors=["ThinkingBudgetLogitsProcessor"], **kw)
+               for kw in ({}, {"speculative_config": SPEC})]
+    questions = [[{"role": "user", "content": "What is 17 times 23? " * 3}],
+                 [{"role": "user", "content": "Tell me about Paris. Paris Paris."}]]
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=64, logprobs=1, logits_processors_args={
+        "thinking_budget": budget, "think_stop_sentence": " Time to answer. Time to answer."})
+        for budget in (0, 3, 10, 30) for t in (0, 0.8)]
+    a, b = ([x for p in params for x in llm.chat(questions, p, chat_template_kwargs={"enable_thinking": True},
+                                                  use_tqdm=False)] for llm in engines)
+    assert same_tokens(a, b)
+    assert any(" Time to answer. Time to answer.</think>" in x.outputs.text for x in b)
+    stats = engines[1].speculative_stats()
+    assert stats["requests_not_speculating"] == 0 and stats["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("results", ["(<results>[0-9]+</results>)?", "<results>[0-9]+</results>"])
+def test_tool_execution_takes_part_and_never_runs_a_call_for_drafts(results):
+    """The model writes three calls; each runs once, at the step plain decoding runs it. (With the
+    results in the grammar, fast-forward writes `<results>` itself and no call runs; drafts are
+    accepted to the last one and the row after is unusable.)"""
+    calls = []
+
+    def multiply(a, b):
+        calls.append((a, b))
+        return a * b
+
+    call = GuidedDecodingParams(regex=f"(<function>multiply[(][0-9], [0-9]{{1,3}}[)]</function>{results} ){{3}}")
+    params = [SamplingParams(temperature=t, seed=2, max_tokens=120, guided_decoding=call, logprobs=1,
+                             logits_processors_args={"tool_execution": True}) for t in (0, 0.9)]
+    prompts = ["What is 3 times 302? <function>multiply(3, 302)</function>", "Hello"]
+    seen = []
+    for kw in ({}, {"speculative_config": SPEC}):
+        calls.clear()
+        llm = LLM(max_num_seqs=4, logits_processors=["ToolExecutionLogitsProcessor"],
+                  tool_functions={"multiply": multiply}, **kw)
+        seen.append((run(llm, params, prompts), sorted(calls)))
+    (a, plain_calls), (b, spec_calls) = seen
+    assert same_tokens(a, b) and spec_calls == plain_calls
+    assert len(plain_calls) == (6 if "?" in results else 0)
+    stats = llm.speculative_stats()
+    assert stats["requests_not_speculating"] == 0 and stats["accepted_tokens"] > 0
+
+
 def test_the_draft_model_method_with_the_model_as_its_own_draft_is_exact_and_accepts_nearly_all(plain):
     from fastdeploy_lp.model_config import default_model_path
     llm = LLM(max_num_seqs=8, logits_processors=BUILTINS, speculative_config={

@@ -348,20 +348,21 @@ class LLMEngine:
         """Append a request's `emitted` tokens in order, until one finishes it: each sampled row's
         token, and tokens processors forced at a draft depth (row None) as fast-forward appends
         them. While each token equals the draft at its position it is an accepted draft: this pass
-        computed its keys and values, so they are committed."""
+        computed its keys and values, so they are committed, except the last token appended, which
+        the next step feeds for its logits."""
         draft = rows.drafts.get(request.slot, [])
-        accepted = 0
-        for position, (token, row) in enumerate(emitted):
+        accepted = appended = 0
+        for token, row in emitted:
             logprob = forced_logprob(request, token) if row is None else rows.logprobs[row]
             self._append(request, token, logprob, now, finished)
-            if accepted == position < len(draft) and token == draft[position]:
-                accepted += 1
-                if not request.finished:
-                    self.scheduler.commit(request, 1)
+            accepted += accepted == appended < len(draft) and token == draft[appended]
+            appended += 1
             if request.finished:
                 break
+        if not request.finished:
+            self.scheduler.commit(request, min(accepted, appended - 1))
         if draft:
-            self.speculator.record(request, len(draft), accepted, sum(row is None for _, row in emitted))
+            self.speculator.record(request, len(draft), accepted, sum(row is None for _, row in emitted[:appended]))
 
     def _append(self, request: Request, token: int, logprob, now: float, finished: list[Request]) -> None:
         p = request.params

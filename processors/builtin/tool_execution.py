@@ -28,7 +28,7 @@ from typing import Callable
 from pydantic import BaseModel, Field
 
 from fastdeploy_lp.config import FDConfig
-from fastdeploy_lp.processors.base import LogitsProcessor, ShareInputs
+from fastdeploy_lp.processors.base import LogitsProcessor, RequestFailures, ShareInputs
 from fastdeploy_lp.processors.batch_state import BatchTracker
 from fastdeploy_lp.processors.context import EngineContext
 
@@ -122,6 +122,7 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
     uses_engine_context = True  # the operator's tool functions, and the tokenizer
     # A call may take its request's tool_timeout; the server's per-step limit must not cut it short.
     step_time_limit_s = MAX_TOOL_TIMEOUT_S + 1.0
+    supports_speculation = True  # a call is never run for drafts: update_draft_state
 
     @classmethod
     def is_enabled_by(cls, args, params=None) -> bool:
@@ -147,6 +148,19 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
                 self._calls[request.slot] = _SlotCalls(settings, self._answered(output))
         for slot, calls in self._calls.items():
             self._search(calls, share_inputs["output_ids"][slot], share_inputs["forced_tokens"][slot])
+
+    def update_draft_state(self, share_inputs: ShareInputs) -> None:
+        """A draft depth: nothing runs. Where the drafts so far close a call (or write any end
+        marker, to be safe), plain decoding would run it and force its result at this position,
+        so those rows are unusable: acceptance stops before them and the next step runs the call."""
+        closing = {slot: "a tool call closes in the drafts: it runs at the next step" for slot, calls in
+                   self._calls.items() if not share_inputs["stop_flags"][slot] and calls.settings.tool_call_end in
+                   self.tokenizer.decode(share_inputs["output_ids"][slot][calls.scanned:])}
+        if closing:
+            raise RequestFailures(closing)
+
+    def end_drafts(self, share_inputs: ShareInputs) -> None:
+        """Nothing to bring back: the draft depths changed no state."""
 
     def _answered(self, output: list[int]) -> int:
         """Where the search starts for output a request brings along (it resumes after preemption):
