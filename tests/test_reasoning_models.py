@@ -112,3 +112,21 @@ def test_server_without_thinking_has_no_reasoning_content(client):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
     assert message.reasoning_content is None
     jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_speculation_keeps_thinking_then_schema_token_for_token(llm, thinking_model):
+    """With drafts, the guided processor walks them through its reasoning gate (thinking: no mask)
+    and its matcher (the answer), and puts both back after the pass: the same text as without."""
+    spec = LLM(thinking_model, max_num_seqs=4, device="cpu", reasoning_parser="qwen3",
+               logits_processors=["ThinkingBudgetLogitsProcessor"], speculative_config={
+                   "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "draft_row_cost": 0.05})
+    lt = llm.tokenizer.encode("<think>")[0]
+    cases = [(seed, budget, bias, template) for seed in range(3) for budget in (2, 12)
+             for bias, template in ((None, {"open_thinking": True}), (None, {"enable_thinking": False}),
+                                    ({lt: 100}, {}), ({lt: -100}, {}))]
+    for seed, budget, bias, template in cases:
+        want, _ = generate(llm, seed, budget, bias, **template)
+        got, _ = generate(spec, seed, budget, bias, **template)
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (seed, budget, template)
+    stats = spec.speculative_stats()
+    assert stats["requests_not_speculating"] == 0 and stats["verify_passes"] > 0, stats

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
@@ -51,7 +50,7 @@ from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
 from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, JsonSyntax, LengthCloser
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
-from fastdeploy_lp.processors.guided.grammar_text import clean_error
+from fastdeploy_lp.processors.guided.slot_matcher import DraftWalk, ReasoningGate, SlotMatcher
 from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
 from fastdeploy_lp.reasoning import ReasoningState, get_reasoning_parser
 from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
@@ -60,136 +59,6 @@ logger = logging.getLogger(__name__)
 
 COMPILED = "guided_decoding.compiled"  # key in SamplingParams.extra set at admission
 _PROMPT_TAIL = 64  # prompt tokens read to tell whether the output starts inside a reasoning block
-
-
-class _ReasoningGate:
-    """Where a reasoning model's answer starts (engines with a reasoning parser).
-
-    Tokens before it are the model's own thinking: no mask, and the matcher does not see them. An
-    output that may open a reasoning block (`UNDECIDED`) gets, at its first step, the constraint's
-    tokens plus the first token of the start tag; picking the latter forces the rest of the tag. The
-    end tag is found in the bytes of the tokens, however the model split it into tokens.
-    """
-
-    def __init__(self, parser, state: ReasoningState, start_ids: list[int], token_bytes: list[bytes]):
-        self.state = state
-        self.start_first, self.forced_start = start_ids[0], start_ids[1:]
-        self._end = parser.end.encode()
-        self._token_bytes = token_bytes
-        self._tail = b""
-
-    def takes(self, token: int) -> tuple[bool, str | None]:
-        """(whether the token is part of the thinking, an error message)."""
-        if self.state == ReasoningState.ANSWER:
-            return False, None
-        if self.state == ReasoningState.UNDECIDED:
-            if token == self.start_first:
-                self.state = ReasoningState.REASONING
-                return True, None
-            self.state = ReasoningState.ANSWER
-            return False, None
-        self._tail += self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
-        at = self._tail.find(self._end)
-        if at < 0:
-            self._tail = self._tail[-(len(self._end) - 1):]
-            return True, None
-        self.state = ReasoningState.ANSWER
-        if self._tail[at + len(self._end):].strip():
-            return True, ("guided decoding: the end of the reasoning was generated merged with answer text, "
-                          "so the constraint cannot start at it")
-        return True, None
-
-    def take_forced_start(self) -> list[int]:
-        forced, self.forced_start = self.forced_start, []
-        return forced
-
-
-class _SlotMatcher:
-    """One request's matcher and how far through the request's output it is."""
-
-    def __init__(self, matcher: llg.LLMatcher, output_ids: list[int], gate: _ReasoningGate | None = None,
-                 closer: LengthCloser | None = None, params=None, req_id: str | None = None):
-        self.matcher = matcher
-        self.output_ids = output_ids  # the request's live list
-        self.gate = gate
-        self.closer = closer  # close_on_length: the request's reserve and closing
-        self.params = params
-        self.req_id = req_id
-        self.consumed = 0  # output tokens accounted for
-        self.ahead: deque[int] = deque()  # published forced tokens the matcher has consumed already
-        self.failure: str | None = None  # set where a failure cannot be raised (refine_drafts)
-
-    @property
-    def budget(self) -> int:
-        """Tokens the request may still generate after those the matcher has consumed."""
-        return self.params.max_tokens - len(self.output_ids) - len(self.ahead)
-
-    @property
-    def answering(self) -> bool:
-        """Whether the constraint applies now (always, without a reasoning parser)."""
-        return self.gate is None or self.gate.state == ReasoningState.ANSWER
-
-    def step(self, forced: list[int] | None) -> str | None:
-        """One decode step: `advance`, then `publish_forced` (when the engine takes forced tokens);
-        an error message if either fails or the matcher is left in an error state."""
-        error = self.failure or self.advance()
-        if error is None and forced is not None:
-            error = self.publish_forced(forced)
-        if error is None and self.matcher.is_error():
-            error = f"guided decoding: the grammar engine failed: {self.error()}"
-        return error
-
-    def advance(self) -> str | None:
-        """Consume the tokens generated since the last call; an error message if one is rejected."""
-        for token in self.output_ids[self.consumed:]:
-            self.consumed += 1
-            if self.gate is not None:
-                thinking, error = self.gate.takes(token)
-                if error is not None:
-                    return error
-                if thinking:
-                    continue
-            if self.ahead and self.ahead[0] == token:  # a forced token we published, now in the output
-                self.ahead.popleft()
-                continue
-            if self.ahead:  # the output went another way: forget what we had assumed
-                self.matcher.rollback(len(self.ahead))
-                if self.closer is not None:
-                    self.closer.rolled_back(len(self.ahead))
-                self.ahead.clear()
-            if not self.matcher.consume_token(token):
-                return f"guided decoding: generated token does not fit the constraint: {self.error()}"
-            if self.closer is not None:
-                self.closer.consumed([token])
-        return None
-
-    def publish_forced(self, forced: list[int]) -> str | None:
-        """Append the tokens the grammar forces next to `forced` (share_inputs["forced_tokens"][slot])
-        and consume them now, as the engine's contract asks; they come back through `output_ids`.
-        An error message if the matcher cannot take them (it hit one of llguidance's limits)."""
-        if not self.answering:  # nothing of the constraint yet; after an opened start tag, its rest
-            if self.gate.state == ReasoningState.REASONING:
-                forced.extend(self.gate.take_forced_start())
-            return None
-        if self.ahead or forced or self.matcher.is_stopped():  # tokens queued ahead of the output: wait
-            return None
-        tokens = self.closer.closing_due(self.matcher, self.budget) if self.closer is not None else None
-        if tokens:  # the budget left is the closing's length: it is the rest of the output
-            if len(tokens) <= self.budget:
-                self.params.extra[CLOSED_ON_LENGTH].add(self.req_id)
-        else:
-            tokens = self.matcher.compute_ff_tokens()
-        if tokens:
-            if not self.matcher.consume_tokens(tokens):
-                return f"guided decoding: the grammar engine failed on the forced tokens: {self.error()}"
-            if self.closer is not None:
-                self.closer.consumed(tokens)
-            self.ahead.extend(tokens)
-            forced.extend(tokens)
-        return None
-
-    def error(self) -> str:
-        return clean_error(self.matcher.get_error()) or "unknown error"
 
 
 class GuidedDecodingLogitsProcessor(LogitsProcessor):
@@ -215,7 +84,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self.compiler = GrammarCompiler(build_lltokenizer(tokenizer, self.vocab_size, eos),
                                         tokenizer_spec=lltokenizer_spec(tokenizer, self.vocab_size, eos))
         self._batch = BatchTracker()
-        self._slots: list[_SlotMatcher | None] = [None] * fd_config.max_num_seqs
+        self._slots: list[SlotMatcher | None] = [None] * fd_config.max_num_seqs
         self._bitmask = allocate_token_bitmask(fd_config.max_num_seqs, self.vocab_size)
         self._executor = llg.LLExecutor()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="guided-mask")
@@ -224,8 +93,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._row_slots: list[int] = []  # ... and their slots
         self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
         self._row_extra: list[tuple[int, int]] = []  # (bitmask row, token) also allowed: a reasoning start
-        self._zone: list[tuple[int, _SlotMatcher]] = []  # (bitmask row, slot) near its closing reserve
-        self._drafted: dict[int, int] = {}  # slot -> drafts its matcher consumed in this step's verify pass
+        self._zone: list[tuple[int, SlotMatcher]] = []  # (bitmask row, slot) near its closing reserve
+        self._walks: dict[int, DraftWalk] = {}  # slot -> how far this step's verify pass took it through its drafts
 
     # -- admission ------------------------------------------------------------------------------
     def validate_request(self, params) -> None:
@@ -306,7 +175,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             work = [(matcher, j) for j, matcher in enumerate(self._row_matchers)]  # bitmask row j
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
 
-    def _add_row(self, row: int, slot: int, state: _SlotMatcher) -> None:
+    def _add_row(self, row: int, slot: int, state: SlotMatcher) -> None:
         """Logits row `row` (slot `slot`) gets a mask this step, from bitmask row `len(self._rows)`."""
         if state.gate is not None and state.gate.state == ReasoningState.UNDECIDED:
             self._row_extra.append((len(self._rows), state.gate.start_first))
@@ -364,40 +233,48 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
 
     # -- speculative decoding -----------------------------------------------------------------------
     def supports_speculation_for(self, params) -> bool:
-        """Not for a reasoning model's requests (where the answer starts is tracked token by token,
-        with no rollback) nor for those closing on length (their closing zone is decided per step)."""
-        return self.reasoning is None and (params is None or CLOSED_ON_LENGTH not in params.extra)
+        """Not for requests closing on length (their closing zone is decided per step)."""
+        return params is None or CLOSED_ON_LENGTH not in params.extra
 
     def update_draft_state(self, share_inputs: ShareInputs) -> None:
-        """A draft depth: each constrained slot shown consumes its drafts so far (the matcher is where
-        this step left it otherwise) and its row is masked as plain decoding would mask it there. A
-        matcher that rejects a draft gets no mask: the row before already masked that draft out, so
-        this row is never used. Where the grammar forces tokens, they are published: plain decoding
-        would append them unsampled there, and so does the engine."""
+        """A draft depth: each constrained slot shown takes its drafts so far as `advance` takes
+        output — through its reasoning gate (a copy, put back by `end_drafts`) while the model
+        thinks, else consumed by the matcher, which `end_drafts` rolls back — and its row is masked
+        as plain decoding would mask it there. A matcher that rejects a draft gets no mask: the row
+        before already masked that draft out, so this row is never used. Where the grammar (or a
+        reasoning start tag) forces tokens, they are published: plain decoding would append them
+        unsampled there, and so does the engine. A draft the gate cannot take (an end tag merged
+        with answer text) makes the slot's row unusable, as it would fail the request there."""
         self._join()
         self._clear_rows()
+        unusable = {}
         for row, slot in enumerate(active_slots(share_inputs).tolist()):
             state = self._slots[slot]
             if state is None:
                 continue
             if state.ahead:  # never drafted: the engine drafts for no request with forced tokens queued
                 raise RuntimeError(f"slot {slot}: shown a draft depth with forced tokens still queued")
-            drafted = self._drafted.get(slot, 0)
-            new = list(share_inputs["output_ids"][slot][state.consumed + drafted:])
-            fits = state.matcher.validate_tokens(new) if new else 0
-            if fits and not state.matcher.consume_tokens(new[:fits]):
-                raise RuntimeError(f"slot {slot}: the grammar engine failed on validated drafts: {state.error()}")
-            self._drafted[slot] = drafted + fits
-            if fits < len(new):
+            walk = self._walks.setdefault(slot, DraftWalk(state.gate))
+            error = walk.take(state, share_inputs["output_ids"][slot][state.consumed + walk.walked:])
+            if error is not None:
+                unusable[slot] = error
                 continue
-            forced = [] if state.matcher.is_stopped() else state.matcher.compute_ff_tokens()
-            if forced:
-                share_inputs["forced_tokens"][slot].extend(forced)
-            else:
+            if walk.rejected:
+                continue
+            forced = share_inputs["forced_tokens"][slot]
+            if not state.answering:
+                if state.gate.state == ReasoningState.REASONING:
+                    forced.extend(state.gate.take_forced_start())
+                    continue  # thinking: no mask
+            elif not state.matcher.is_stopped():
+                forced.extend(state.matcher.compute_ff_tokens())
+            if not forced:
                 self._add_row(row, slot, state)
         if self._rows:
             work = [(matcher, j) for j, matcher in enumerate(self._row_matchers)]
             self._fill = self._worker.submit(fill_next_token_bitmask_par, self._executor, work, self._bitmask)
+        if unusable:
+            raise RequestFailures(unusable)
 
     def refine_drafts(self, slot: int, drafts: list[int], limit: int) -> list[int]:
         """Drafts the grammar agrees with: the lookup's drafts while the grammar accepts them, and
@@ -430,23 +307,26 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         return refined[:limit]
 
     def end_drafts(self, share_inputs: ShareInputs) -> None:
-        """Roll every matcher back to where the step left it; the accepted tokens reach it through
-        the output at the next step, as any tokens do."""
+        """Put every matcher and reasoning gate back where the step left them; the accepted tokens
+        reach them through the output at the next step, as any tokens do."""
         self._join()
         self._clear_rows()
         failures = {}
-        for slot, drafted in self._drafted.items():
+        for slot, walk in self._walks.items():
             state = self._slots[slot]
-            if drafted and state is not None and not state.matcher.rollback(drafted):
-                failures[slot] = (f"guided decoding: the grammar engine could not roll back {drafted} drafts: "
+            if state is None:
+                continue
+            state.gate = walk.gate
+            if walk.consumed and not state.matcher.rollback(walk.consumed):
+                failures[slot] = (f"guided decoding: the grammar engine could not roll back {walk.consumed} drafts: "
                                   f"{state.error()}")
                 self._slots[slot] = None
-        self._drafted = {}
+        self._walks = {}
         if failures:
             raise RequestFailures(failures)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _new_matcher(self, request: AddedRequest, share_inputs: ShareInputs) -> _SlotMatcher | None:
+    def _new_matcher(self, request: AddedRequest, share_inputs: ShareInputs) -> SlotMatcher | None:
         """A matcher for a request that joined, if it is constrained."""
         params = request.params
         if params is None or params.guided_decoding is None:
@@ -455,7 +335,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if compiled is None:  # admitted without validate_request: compile now (cached)
             compiled = params.extra[COMPILED] = self.compiler.compile(
                 self._with_server_defaults(params.guided_decoding))
-        return _SlotMatcher(compiled.new_matcher(), share_inputs["output_ids"][request.slot],
+        return SlotMatcher(compiled.new_matcher(), share_inputs["output_ids"][request.slot],
                             self._reasoning_gate(share_inputs, request.slot), self._length_closer(params), params,
                             request.req_id)
 
@@ -465,12 +345,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             return None
         return LengthCloser(self._search())
 
-    def _reasoning_gate(self, share_inputs: dict, slot: int) -> _ReasoningGate | None:
+    def _reasoning_gate(self, share_inputs: dict, slot: int) -> ReasoningGate | None:
         """With a reasoning parser: where this request's output starts, read from its prompt's end."""
         if self.reasoning is None:
             return None
         tail = self.tokenizer.decode(share_inputs["prompt_ids"][slot][-_PROMPT_TAIL:], skip_special_tokens=False)
-        return _ReasoningGate(self.reasoning, self.reasoning.prompt_state(tail), self._start_ids,
+        return ReasoningGate(self.reasoning, self.reasoning.prompt_state(tail), self._start_ids,
                               self.tokenizer.token_bytes)
 
     def _join(self) -> None:
