@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 from typing import Any, Callable
 
 _MISSING = dataclasses.MISSING
@@ -146,4 +147,19 @@ def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {text}")
+    return value
+
+
+# -- JSON values given as an object or as its text ---------------------------------------------------
+def json_object(field: str, value: Any, want: type | tuple[type, ...] = dict) -> Any:
+    """`value`, parsed first when it is JSON text, if it is a `want` (a JSON object by default): the
+    one reading of "a dict or a JSON string holding one" for request fields and config values alike.
+    Else a ValueError naming `field`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(value, want):
+        raise ValueError(f"{field}: must be a JSON object, got {type(value).__name__}")
     return value

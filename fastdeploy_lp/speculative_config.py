@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fastdeploy_lp.options import json_object
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -78,13 +80,7 @@ class SpeculativeConfig:
         """The config of a JSON string, a dict or a config; None (speculation off) for None or {}."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+        value = json_object("speculative_config", value)
         if not value:
             return None
         known = {f.name for f in fields(cls)}

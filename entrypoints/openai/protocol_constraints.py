@@ -9,14 +9,15 @@ fields and read them through the functions here, so chat and completions share o
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fastdeploy_lp.options import json_object
 from fastdeploy_lp.sampling_params import GuidedDecodingParams
 
 _NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+_SCHEMA = (dict, bool)  # a JSON schema given as an object or its text: an object, or true/false
 
 # The request fields that carry an output constraint, all read by chat and completions. An API
 # that reads only some of them refuses the others (`refuse_constraint_fields`): ignoring one would
@@ -134,13 +135,13 @@ def constraint_sources(req) -> list[tuple[str, dict[str, Any]]]:
         if holder is None:
             continue
         if holder.guided_json is not None:
-            found.append((prefix + "guided_json", {"json": _json_value(prefix + "guided_json", holder.guided_json)}))
+            schema = json_object(prefix + "guided_json", holder.guided_json, _SCHEMA)
+            found.append((prefix + "guided_json", {"json": schema}))
         for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(holder, name) is not None:
                 found.append((prefix + name, {kind: getattr(holder, name)}))
     if req.structural_tag is not None:
-        found.append(("structural_tag", {"structural_tag": _json_value("structural_tag", req.structural_tag,
-                                                                         want=dict)}))
+        found.append(("structural_tag", {"structural_tag": json_object("structural_tag", req.structural_tag)}))
     so = req.structured_outputs
     if so is not None:
         for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -149,9 +150,9 @@ def constraint_sources(req) -> list[tuple[str, dict[str, Any]]]:
                 continue
             field = f"structured_outputs.{kind}"
             if kind == "json":
-                value = _json_value(field, value)
+                value = json_object(field, value, _SCHEMA)
             elif kind == "structural_tag":
-                value = _json_value(field, value, want=dict)
+                value = json_object(field, value)
             found.append((field, {kind: value}))
         if so.json_object:
             found.append(("structured_outputs.json_object", {"json_object": True}))
@@ -175,17 +176,6 @@ def whitespace_rule(req) -> tuple[str | None, str | None]:
     return given[0] if given else (None, None)
 
 
-def _json_value(field: str, value, want=(dict, bool)):
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{field}: not valid JSON ({e.msg} at position {e.pos})") from None
-    if not isinstance(value, want):
-        raise ValueError(f"{field}: must be a JSON object")
-    return value
-
-
 def _response_format_constraint(rf: ResponseFormat) -> dict[str, Any]:
     if rf.type == "json_object":
         return {"json_object": True}
@@ -201,7 +191,7 @@ def _response_format_constraint(rf: ResponseFormat) -> dict[str, Any]:
     if rf.type == "json":
         if rf.schema_ is None:
             raise ValueError("response_format.schema: required when type is 'json'")
-        return {"json": _json_value("response_format.schema", rf.schema_)}
+        return {"json": json_object("response_format.schema", rf.schema_, _SCHEMA)}
     if rf.type == "regex":
         if rf.regex is None:
             raise ValueError("response_format.regex: required when type is 'regex'")
