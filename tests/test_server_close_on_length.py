@@ -95,8 +95,8 @@ def test_responses_text_format_closes_on_length_as_chat_does(client):
         closed += flag is True
     assert closed
     cut = client.responses.create(model="default", input=MESSAGES[0]["content"], max_output_tokens=20,
-                                  text={"format": {"type": "json_object"}},
-                                  extra_body={"structured_outputs": {"close_on_length": False}})
+                                  temperature=1.0, text={"format": {"type": "json_object"}},
+                                  extra_body={"seed": 0, "structured_outputs": {"close_on_length": False}})
     assert cut.status == "incomplete" and "closed_on_length" not in (cut.model_extra or {})
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.output_text)

@@ -139,10 +139,23 @@ def test_guided_decoding_advances_its_matchers_over_drafts_and_rolls_them_back(p
     after = spec.speculative_stats()
     assert after["requests_not_speculating"] == stats["requests_not_speculating"]
     assert after["accepted_tokens"] > stats["accepted_tokens"]
-    closing = SamplingParams(temperature=0, max_tokens=24, guided_decoding=GuidedDecodingParams(
-        json=schema, close_on_length=True))  # its closing zone is decided step by step: no drafts
-    assert same_tokens(run(plain, closing, PROMPTS[1:2]), run(spec, closing, PROMPTS[1:2]))
-    assert spec.speculative_stats()["requests_not_speculating"] == after["requests_not_speculating"] + 1
+
+def test_requests_closing_on_length_draft_until_their_closing_may_be_due(plain, spec):
+    """Far from the end they speculate; where the closing may be due (decided step by step) the
+    rows are unusable and no drafts are made: the same closed JSON as without drafts."""
+    stats = spec.speculative_stats()
+    listing = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}}},
+               "required": ["names"], "additionalProperties": False}
+    params = [SamplingParams(temperature=t, seed=4, max_tokens=n, logprobs=1, guided_decoding=GuidedDecodingParams(
+        json=listing, close_on_length=True)) for n in (24, 60, 150) for t in (0, 0.8)]
+    prompts = [PROMPTS[0], PROMPTS[2]] * 3
+    a, b = run(plain, params, prompts), run(spec, params, prompts)
+    assert same_tokens(a, b)
+    for x in b:
+        assert isinstance(json.loads(x.outputs.text)["names"], list)
+    after = spec.speculative_stats()
+    assert after["requests_not_speculating"] == stats["requests_not_speculating"]
+    assert after["accepted_tokens"] > stats["accepted_tokens"]
 
 
 CUSTOMERS = {"type": "array", "minItems": 3, "maxItems": 4, "items": {

@@ -30,6 +30,7 @@ the processor keeps only tokens whose own closing still fits (`safe_tokens`, che
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import llguidance as llg
@@ -193,6 +194,17 @@ class LengthCloser:
         if plan is not None and plan[:len(tokens)] == list(tokens):  # the output followed the closing
             self.plan = plan[len(tokens):]
 
+    def copy(self) -> "LengthCloser":
+        """An independent copy (a verify pass walks drafts with one)."""
+        other = copy.copy(self)
+        other.matched, other.syntax = list(self.matched), self.syntax.copy()
+        return other
+
+    def dormant(self, budget: int) -> bool:
+        """Whether, with `budget` tokens left, nothing is due: the closing was forced, or the budget
+        is far beyond the known reserve."""
+        return self.closed or (self.reserve is not None and budget > 4 * self.reserve + 64)
+
     def rolled_back(self, n: int) -> None:
         del self.matched[len(self.matched) - n:]
         self.syntax = JsonSyntax()
@@ -202,7 +214,7 @@ class LengthCloser:
     def closing_due(self, matcher: llg.LLMatcher, budget: int) -> list[int] | None:
         """The closing to force now (the remaining `budget` equals the reserve), or None. Keeps
         `reserve` current in the last stretch of the budget."""
-        if self.closed or (self.reserve is not None and budget > 4 * self.reserve + 64):
+        if self.dormant(budget):
             return None
         if self.plan is None:
             self.plan = self.search.closing(matcher, self.syntax)

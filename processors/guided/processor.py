@@ -232,10 +232,6 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         mask_logits(logits, keep.view(np.int32), rows)
 
     # -- speculative decoding -----------------------------------------------------------------------
-    def supports_speculation_for(self, params) -> bool:
-        """Not for requests closing on length (their closing zone is decided per step)."""
-        return params is None or CLOSED_ON_LENGTH not in params.extra
-
     def update_draft_state(self, share_inputs: ShareInputs) -> None:
         """A draft depth: each constrained slot shown takes its drafts so far as `advance` takes
         output — through its reasoning gate (a copy, put back by `end_drafts`) while the model
@@ -254,12 +250,17 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                 continue
             if state.ahead:  # never drafted: the engine drafts for no request with forced tokens queued
                 raise RuntimeError(f"slot {slot}: shown a draft depth with forced tokens still queued")
-            walk = self._walks.setdefault(slot, DraftWalk(state.gate))
+            walk = self._walks.get(slot)
+            if walk is None:
+                walk = self._walks[slot] = DraftWalk(state)
             error = walk.take(state, share_inputs["output_ids"][slot][state.consumed + walk.walked:])
             if error is not None:
                 unusable[slot] = error
                 continue
             if walk.rejected:
+                continue
+            if walk.near_closing(state):
+                unusable[slot] = "close_on_length: its closing may be due here, decided step by step"
                 continue
             forced = share_inputs["forced_tokens"][slot]
             if not state.answering:
@@ -285,6 +286,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         state = self._slots[slot]
         if state is None or state.ahead or not state.answering:
             return drafts
+        if state.closer is not None and not state.closer.dormant(state.budget - 1):
+            return []  # its closing may be due at the first draft: no draft row could be used
         matcher, refined, guessed = state.matcher, [], 0
         try:
             while len(refined) < limit and not matcher.is_stopped():
@@ -314,10 +317,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         failures = {}
         for slot, walk in self._walks.items():
             state = self._slots[slot]
-            if state is None:
-                continue
-            state.gate = walk.gate
-            if walk.consumed and not state.matcher.rollback(walk.consumed):
+            if state is not None and not walk.restore(state):
                 failures[slot] = (f"guided decoding: the grammar engine could not roll back {walk.consumed} drafts: "
                                   f"{state.error()}")
                 self._slots[slot] = None

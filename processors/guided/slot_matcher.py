@@ -146,19 +146,19 @@ class SlotMatcher:
 
 
 class DraftWalk:
-    """One slot's way through its drafts in a verify pass: the drafts taken (`walked`), those its
-    matcher consumed (`consumed`, rolled back at the end) and its reasoning gate as the step left it
-    (the slot's gate is a copy while the drafts are walked)."""
+    """One slot's way through its drafts in a verify pass: the drafts taken (`walked`) and those its
+    matcher consumed (`consumed`). The slot's reasoning gate and length closer are copies while the
+    drafts are walked; `restore` puts the step's own back and rolls the matcher back."""
 
-    def __init__(self, gate: ReasoningGate | None):
-        self.gate = gate
+    def __init__(self, state: SlotMatcher):
+        self.gate, self.closer = state.gate, state.closer
+        state.gate = copy.copy(state.gate)
+        state.closer = None if state.closer is None else state.closer.copy()
         self.walked = self.consumed = 0
         self.rejected = False  # a draft the grammar rejects: the rows after it are never used
 
     def take(self, state: SlotMatcher, drafts: list[int]) -> str | None:
         """Take the slot's drafts not taken yet; an error message where the gate cannot take one."""
-        if self.gate is not None and state.gate is self.gate:
-            state.gate = copy.copy(self.gate)
         for token in drafts:
             if self.rejected:
                 return None
@@ -174,6 +174,18 @@ class DraftWalk:
                 return None
             if not state.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar engine failed on a validated draft: {state.error()}")
+            if state.closer is not None:
+                state.closer.consumed([token])
             self.walked += 1
             self.consumed += 1
         return None
+
+    def near_closing(self, state: SlotMatcher) -> bool:
+        """Whether the request closes on length and its closing may be due here, where plain
+        decoding decides step by step (`LengthCloser.dormant`)."""
+        return state.closer is not None and not state.closer.dormant(state.budget - self.walked)
+
+    def restore(self, state: SlotMatcher) -> bool:
+        """The step's own gate and closer back, the matcher rolled back; False if it cannot be."""
+        state.gate, state.closer = self.gate, self.closer
+        return not self.consumed or state.matcher.rollback(self.consumed)
