@@ -12,7 +12,9 @@ import sys
 import tempfile
 import time
 
+import anthropic
 import httpx
+import openai
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 QWEN2 = os.path.join(TESTS_DIR, "fixtures", "hf", "qwen2")
@@ -77,15 +79,42 @@ def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env
         resource.setrlimit, resource.RLIMIT_NOFILE, (open_files, open_files))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, preexec_fn=limit)
     server = RunningServer(proc, port, log.name, mport)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.url("/health"), timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    if wait_healthy(server.base_url, timeout, alive=lambda: proc.poll() is None):
+        return server
+    if proc.poll() is not None:
+        raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
     server.stop()
     raise RuntimeError(f"server did not become healthy in {timeout}s:\n{server.log()}")
+
+
+def serving(*args: str, **kwargs):
+    """A module fixture's body, `yield from serving(...)`: `start_server(...)`, stopped at teardown."""
+    server = start_server(*args, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_healthy(base_url: str, timeout: float, alive=lambda: True) -> bool:
+    """Poll `base_url`/health until it answers 200 (True), or `timeout` passes or `alive()` turns
+    false (False). For an in-process server too, whose thread answers once uvicorn is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def openai_client(server: RunningServer, api_key: str = "unused") -> openai.OpenAI:
+    """The `openai` SDK on `server`: no retries (a failure shows at once), a 60 s timeout."""
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=api_key, max_retries=0, timeout=60)
+
+
+def anthropic_client(server: RunningServer, api_key: str = "unused") -> anthropic.Anthropic:
+    """The `anthropic` SDK on `server`, set up as `openai_client`."""
+    return anthropic.Anthropic(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=60)

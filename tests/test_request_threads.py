@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
@@ -24,7 +23,7 @@ from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.entrypoints.openai.api_server import build_app, settings_from_args
 from fastdeploy_lp.entrypoints.openai.args import ServerArgs
 from fastdeploy_lp.processors import LogitsProcessor
-from server_harness import QWEN2, free_port
+from server_harness import QWEN2, free_port, wait_healthy
 
 LOOP_THREAD = "test-event-loop"
 ENGINE_THREAD = "fastdeploy-lp-engine"
@@ -90,13 +89,7 @@ def server():
     thread = threading.Thread(target=serve, name=LOOP_THREAD, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    wait_healthy(base, 60)
     yield base, executor, outputs_seen_on
     server.should_exit = True
     thread.join(30)

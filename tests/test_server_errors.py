@@ -12,7 +12,7 @@ import openai
 import pytest
 import uvicorn
 
-from server_harness import QWEN2, free_port, start_server
+from server_harness import QWEN2, free_port, openai_client, serving, start_server, wait_healthy
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -21,16 +21,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "2", "--max-waiting-requests", "0", "--strict-fields",
-                     "--logits-processors", "LogitBiasLogitsProcessor", "server_processors:SlowLogitsProcessor",
-                     env={"FDLP_API_KEY": KEY})
-    yield s
-    s.stop()
+    yield from serving("--max-num-seqs", "2", "--max-waiting-requests", "0", "--strict-fields",
+                       "--logits-processors", "LogitBiasLogitsProcessor", "server_processors:SlowLogitsProcessor",
+                       env={"FDLP_API_KEY": KEY})
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=60)
+    return openai_client(server, KEY)
 
 
 def post(server, path, body=None, *, content=None, headers=AUTH):
@@ -154,7 +152,7 @@ def test_wrong_or_missing_api_key_is_401_and_health_stays_open(server):
         r = post(server, "/v1/chat/completions", chat(), headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
-    bad = openai.OpenAI(base_url=server.url("/v1"), api_key="nope", max_retries=0)
+    bad = openai_client(server, "nope")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert httpx.get(server.url("/health"), timeout=5).status_code == 200
@@ -210,13 +208,7 @@ def test_not_serving_is_503_on_health_and_generation():
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        wait_healthy(base, 30)
         assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10).status_code == 200
         app.state.async_engine.shutdown()
         r = httpx.get(base + "/health", timeout=5)

@@ -7,11 +7,10 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from fastdeploy_lp import LLM, SamplingParams
-from server_harness import QWEN2, TEST_PROCESSORS, start_server
+from server_harness import QWEN2, TEST_PROCESSORS, openai_client, serving
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -19,15 +18,13 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "32", "--served-model-name", "tiny-qwen2",
-                     "--logits-processors", "LogitBiasLogitsProcessor", *TEST_PROCESSORS, metrics_port=True)
-    yield s
-    s.stop()
+    yield from serving("--max-num-seqs", "32", "--served-model-name", "tiny-qwen2",
+                       "--logits-processors", "LogitBiasLogitsProcessor", *TEST_PROCESSORS, metrics_port=True)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="EMPTY_API_KEY", max_retries=0, timeout=60)
+    return openai_client(server, "EMPTY_API_KEY")
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 from conftest import fixture_dir
 
-from server_harness import start_server
+from server_harness import anthropic_client, openai_client, serving
 from test_reasoning_models import SCHEMA
 from test_reasoning_models import TEMPLATE as OPEN_THINKING_TEMPLATE
 
@@ -33,20 +31,18 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-thinks") / "model"
     shutil.copytree(fixture_dir("qwen3"), path, ignore=shutil.ignore_patterns("reference*"))
     (path / "chat_template.jinja").write_text(TEMPLATE)
-    s = start_server("--max-num-seqs", "4", "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                     "--logits-processors", "ThinkingBudgetLogitsProcessor", model=str(path))
-    yield s
-    s.stop()
+    yield from serving("--max-num-seqs", "4", "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
+                       "--logits-processors", "ThinkingBudgetLogitsProcessor", model=str(path))
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic_client(server)
 
 
 # -- /v1/responses ------------------------------------------------------------------------------
