@@ -108,6 +108,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         _check(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings", self.stop)
+        _check("" not in self.stop, "stop", "must not contain an empty string", self.stop)  # it would match nothing
         check_text(self.stop, "stop")
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(all(_integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

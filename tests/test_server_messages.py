@@ -188,6 +188,8 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error",
      "tool_choice"),
     ({"stop_sequences": "END"}, 400, "invalid_request_error", "stop_sequences"),
+    ({"stop_sequences": ["END", ""]}, 400, "invalid_request_error",
+     "stop_sequences: must not contain an empty string"),
     ({"mcp_servers": [{"url": "x"}]}, 400, "invalid_request_error", "mcp_servers"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "invalid_request_error",
      "output_config.format"),
