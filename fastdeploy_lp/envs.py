@@ -46,6 +46,9 @@ ENV_VARS = {v.name: v for v in (
            "model.", has_old_name=True),
     EnvVar("FDLP_CPU_KERNELS", "auto", "The CPU C kernels: `auto` uses each where it measured faster than "
            "Paddle's op, `1` always, `0` never."),
+    EnvVar("FDLP_HUGE_PAGES", "1", "`0`: leave the weights on the 4 KiB pages they get by default; else large "
+           "CPU weights are placed on 2 MiB transparent huge pages where the kernel allows (10-20% faster "
+           "batch-1 decode; see `model/huge_pages.py`)."),
     EnvVar("FDLP_CPU_ISA", "", "`avx2` or `portable`: act as on a CPU with fewer instruction sets than this "
            "one (tests, benchmarks); empty: what the CPU has."),
 )}
