@@ -1,4 +1,4 @@
-"""The one-call decoder layer (`model/fused_layer.py`, `cpu_kernels/layer.h`) against the same
+"""The one-call decoder layers (`model/fused_layer.py`, `cpu_kernels/layer.h`) against the same
 layers run step by step through the same kernels."""
 
 import os
@@ -20,15 +20,14 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 def test_a_fused_layer_gives_the_step_by_step_tokens_and_logprobs(monkeypatch, fixture, dtype, quantization):
     monkeypatch.setattr(cpu_kernels, "_mode", "1")
     fused_calls = []
-    run_fused_layer = decoder.run_fused_layer
-    monkeypatch.setattr(decoder, "run_fused_layer", lambda *a: fused_calls.append(a[2].shape[0]) or run_fused_layer(*a))
+    run_fused_layers = decoder.run_fused_layers
+    monkeypatch.setattr(decoder, "run_fused_layers", lambda *a: fused_calls.append(a[2].shape[0]) or run_fused_layers(*a))
     llm = LLM(model=os.path.join(FIXTURES, fixture), max_num_seqs=2, device="cpu", dtype=dtype,
               quantization=quantization, enable_prefix_caching=False)
     prompt = list(range(3, 23))  # one sequence of 20 tokens: its prefill is one fused pass, then each decode step
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     fused = llm.generate([prompt], params, use_tqdm=False)[0].outputs
-    layers = len(llm.engine.runner.model.layers)
-    assert fused_calls[:layers] == [20] * layers and fused_calls[layers:] == [1] * (5 * layers)
+    assert fused_calls == [20] + [1] * 5  # every layer of each pass in one call
 
     monkeypatch.setattr(decoder, "fused_layer_kernels", lambda *a: None)
     plain = llm.generate([prompt], params, use_tqdm=False)[0].outputs
@@ -39,6 +38,6 @@ def test_a_fused_layer_gives_the_step_by_step_tokens_and_logprobs(monkeypatch, f
 def test_a_pass_of_several_groups_runs_layer_by_layer(monkeypatch):
     """Prompts of different lengths in one pass form several sequence groups: not fused."""
     monkeypatch.setattr(cpu_kernels, "_mode", "1")
-    monkeypatch.setattr(decoder, "run_fused_layer", lambda *a: pytest.fail("fused a pass of several groups"))
+    monkeypatch.setattr(decoder, "run_fused_layers", lambda *a: pytest.fail("fused a pass of several groups"))
     llm = LLM(model=os.path.join(FIXTURES, "qwen2"), max_num_seqs=2, device="cpu")
     llm.generate([list(range(3, 9)), list(range(3, 13))], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -13,7 +13,7 @@ from paddle import nn
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layer
+from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layers
 from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear, linear_weight
 
 
@@ -90,13 +90,13 @@ class DecoderForCausalLM(nn.Layer):
 
     def forward(self, input_ids: paddle.Tensor, batch: AttentionBatch, kv_caches=None) -> paddle.Tensor:
         x = self.embed(input_ids)
-        # Every layer has the same shape and this pass's rows: whether they run in one kernel call
-        # each is decided once per pass, not per layer.
+        # Every layer has the same shape and this pass's rows: whether they all run in one kernel
+        # call is decided once per pass.
         fused = None if kv_caches is None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
+        if fused is not None:
+            return self.norm(run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches))
         for i, layer in enumerate(self.layers):
-            cache = None if kv_caches is None else kv_caches[i]
-            x = layer(x, batch, self.rotary, cache) if fused is None else run_fused_layer(
-                fused, layer, x, batch, self.rotary, cache)
+            x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:

@@ -1,8 +1,9 @@
-"""A decoder layer in one CPU kernel call (`CpuKernels.decoder_layer`), where a pass allows it.
+"""Every decoder layer of a pass in one CPU kernel call (`CpuKernels.decoder_layers`), where the pass allows it.
 
 At batch 1 a layer's dozen steps between Python and the kernels (two norms, six kernel calls and
 their output tensors, two residual adds) cost ~5 ms per decode step on the bench model: 7% of a
-float32 step and 15% of a wint8 one. The fused call chains the same kernels in C. It runs only
+float32 step and 15% of a wint8 one; a call per layer still cost ~1 ms (the structs, pointers and
+buffers of 24 calls). The fused call chains the same kernels in C for the whole stack. It runs only
 where every kernel it chains was chosen for the pass (`layers.kernels_for`, measured per op and row
 bucket), so it never replaces a Paddle op that was measured faster.
 """
@@ -30,20 +31,35 @@ def fused_layer_kernels(layer, x: paddle.Tensor, batch: AttentionBatch, kv_cache
     return kernels
 
 
-def run_fused_layer(kernels: cpu_kernels.CpuKernels, layer, x: paddle.Tensor, batch: AttentionBatch,
-                    rotary: RotaryEmbedding, kv_cache) -> paddle.Tensor:
-    """`layer(x, batch, rotary, kv_cache)` in one call (see `fused_layer_kernels` for when)."""
-    attn, mlp, group = layer.self_attn, layer.mlp, batch.groups[0]
+def run_fused_layers(kernels: cpu_kernels.CpuKernels, layers, x: paddle.Tensor, batch: AttentionBatch,
+                     rotary: RotaryEmbedding, kv_caches) -> paddle.Tensor:
+    """Every layer of `layers` (a model's `DecoderLayer`s, `kv_caches` theirs) over `x` in one call,
+    where `fused_layer_kernels` allows it for the first (all layers are alike)."""
     rotary.check_table(batch)
-    zero_fresh_blocks(batch, kv_cache)
+    for cache in kv_caches:
+        zero_fresh_blocks(batch, cache)
+    group = batch.groups[0]
     tables, lens, max_len = group.kernel_inputs
+    attn = layers[0].self_attn
     attention = cpu_kernels.PagedAttention(
         cos=rotary.cos, sin=rotary.sin, positions=batch.positions, write_rows=batch.write_rows, tables=tables,
-        lens=lens, k_cache=kv_cache[0], v_cache=kv_cache[1], seqs=len(group.lens), new_tokens=group.new,
-        heads=attn.num_heads, kv_heads=attn.num_kv_heads, dim=attn.head_dim, block_size=group.block_size,
-        max_len=max_len, scale=attn.scale)
-    linears = [(attn.qkv_weight, attn.qkv_weight_scale, attn.qkv_bias), (attn.o_weight, attn.o_weight_scale, attn.o_bias),
-               (mlp.gate_up_weight, mlp.gate_up_weight_scale, mlp.gate_up_bias),
-               (mlp.down_weight, mlp.down_weight_scale, mlp.down_bias)]
-    return kernels.decoder_layer(x, layer.input_layernorm, layer.post_attention_layernorm, linears, attention,
-                                 mlp.intermediate)
+        lens=lens, seqs=len(group.lens), new_tokens=group.new, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+        dim=attn.head_dim, block_size=group.block_size, max_len=max_len, scale=attn.scale)
+    return kernels.decoder_layers(x, _stack(layers, kv_caches), attention)
+
+
+def _stack(layers, kv_caches) -> cpu_kernels.LayerStack:
+    """The layers' `LayerStack` for these caches, built at the first fused pass and kept on `layers`
+    (weights and caches stay where they are for the model's life)."""
+    kept = getattr(layers, "_fused_stack", None)
+    if kept is not None and kept[0] is kv_caches:
+        return kept[1]
+    linears = [[(a.qkv_weight, a.qkv_weight_scale, a.qkv_bias), (a.o_weight, a.o_weight_scale, a.o_bias),
+                (m.gate_up_weight, m.gate_up_weight_scale, m.gate_up_bias),
+                (m.down_weight, m.down_weight_scale, m.down_bias)]
+               for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]
+    norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
+    stack = cpu_kernels.LayerStack.of(norms, linears, [tuple(pair) for pair in kv_caches], layers[0].mlp.intermediate,
+                                      layers[0].input_layernorm.eps)
+    layers._fused_stack = (kv_caches, stack)
+    return stack

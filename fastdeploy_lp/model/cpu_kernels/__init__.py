@@ -11,8 +11,8 @@ blocks) were single-threaded or scalar.
   (prefill chunks and decode), instead of a gather, two matmuls, a mask add and a softmax.
 * `rotary_cache_write`: rotary on q/k and the cache write, in place in the fused q/k/v rows.
 * `swiglu`, `argmax`, `transpose`: Paddle's ops, vectorised (exp) and on every core.
-* `decoder_layer`: a whole layer over one sequence group of up to 32 tokens, the kernels above
-  chained in C (`layer.h`, `model/fused_layer.py`): one call per layer instead of a dozen.
+* `decoder_layers`: every layer of a pass over one sequence group of up to 32 tokens, the kernels
+  above chained in C (`layer.h`, `model/fused_layer.py`): one call per pass instead of a dozen per layer.
 
 **Built for the CPU the process sees.** The vector ISA comes from `cpu_features.detect()` (CPUID in
 this process) and becomes the compile flags (`-mavx512f ...`, `-mavx2 -mfma -mf16c`, or none), so
@@ -116,8 +116,8 @@ def for_op(op: str, rows: int) -> CpuKernels | None:
 
 @dataclass
 class PagedAttention:
-    """One layer's attention inputs for `CpuKernels.decoder_layer`, as `rotary_cache_write` and
-    `paged_attention` take them for one sequence group."""
+    """A pass's attention inputs for `CpuKernels.decoder_layers`, as `rotary_cache_write` and
+    `paged_attention` take them for one sequence group (each layer's cache aside: `LayerStack`)."""
 
     cos: paddle.Tensor
     sin: paddle.Tensor
@@ -125,8 +125,6 @@ class PagedAttention:
     write_rows: paddle.Tensor
     tables: paddle.Tensor
     lens: paddle.Tensor
-    k_cache: paddle.Tensor
-    v_cache: paddle.Tensor
     seqs: int
     new_tokens: int
     heads: int
@@ -150,6 +148,34 @@ class _Attention(ctypes.Structure):  # layer.h's fdlp_attention_t
 
 
 _FORMATS = {paddle.float32: 0, paddle.bfloat16: 1, paddle.float16: 2, paddle.int8: 3}  # layer.h's linear_of
+
+
+@dataclass
+class LayerStack:
+    """What `decoder_layers` reads of a model's layers and KV caches, whose tensors stay where they
+    are: built once (`model/fused_layer.py` keeps it), as the C arrays layer.h takes."""
+
+    tensors: list  # what the pointers point into, kept alive with them
+    norms: ctypes.Array        # 2 per layer
+    linears: ctypes.Array      # 4 per layer: q/k/v, o, gate/up, down
+    caches: ctypes.Array       # 2 per layer: keys, values
+    layers: int
+    hidden: int
+    inter: int
+    format: int
+    eps: float
+
+    @classmethod
+    def of(cls, norms: list[tuple], linears: list[tuple], caches: list[tuple], inter: int, eps: float) -> "LayerStack":
+        """`norms` (norm1, norm2 weights), `linears` (4 (weight, scale, bias) each) and `caches`
+        (keys, values) per layer, all layers alike; `inter` the MLP width."""
+        flat = [t for layer in linears for lin in layer for t in lin]
+        return cls(tensors=[*flat, *(t for pair in norms + caches for t in pair)],
+                   norms=(ctypes.c_void_p * (2 * len(norms)))(*(w.data_ptr() for pair in norms for w in pair)),
+                   linears=(_Linear * (4 * len(linears)))(*(_Linear(*map(_ptr, lin)) for layer in linears for lin in layer)),
+                   caches=(ctypes.c_void_p * (2 * len(caches)))(*(c.data_ptr() for pair in caches for c in pair)),
+                   layers=len(linears), hidden=norms[0][0].shape[0], inter=inter,
+                   format=_FORMATS[linears[0][0][0].dtype], eps=eps)
 
 
 def _ptr(tensor: paddle.Tensor | None) -> int | None:
@@ -195,30 +221,27 @@ class CpuKernels:
         self._transpose.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
-        self._layer = library.fdlp_decoder_layer
-        self._layer.argtypes = [ptr, ptr] + [i64] * 3 + [c_int, ptr, ptr, ctypes.c_float] + [ptr] * 6 + [c_int]
-        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._layer):
+        self._layers = library.fdlp_decoder_layers
+        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [c_int, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
+        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._layers):
             fn.restype = None
 
-    def decoder_layer(self, x: paddle.Tensor, norm1, norm2, linears: list[tuple], attention: PagedAttention,
-                      inter: int) -> paddle.Tensor:
-        """A decoder layer over the `[T, hidden]` tokens `x` of one sequence group (layer.h):
-        `norm1`/`norm2` the RMSNorm layers, `linears` the (weight, scale, bias) of q/k/v, o, gate/up
-        and down, all in one weight format, `inter` the MLP width. Returns the layer's output."""
+    def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention) -> paddle.Tensor:
+        """Every layer of `stack` over the `[T, hidden]` tokens `x` of one sequence group (layer.h),
+        with the pass's `attention` inputs. Returns the last layer's output."""
         x = x if x.is_contiguous() else x.contiguous()
         rows, hidden = x.shape
         at = attention
         qkv_width, q_size = (at.heads + 2 * at.kv_heads) * at.dim, at.heads * at.dim
-        work = paddle.empty([rows * (hidden + qkv_width + 2 * q_size + 3 * inter) + _threads * at.heads * at.max_len],
-                            dtype="float32")  # layer.h's sizes
-        out = paddle.empty([rows, hidden], dtype="float32")
-        structs = [_Linear(_ptr(w), _ptr(s), _ptr(b)) for w, s, b in linears]
-        attention_struct = _Attention(*(_ptr(getattr(at, name)) for name, _ in _Attention._fields_[:8]), at.seqs,
-                                      at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size, at.tables.shape[1],
-                                      at.max_len, at.scale)
-        self._layer(x.data_ptr(), out.data_ptr(), rows, hidden, inter, _FORMATS[linears[0][0].dtype],
-                    norm1.weight.data_ptr(), norm2.weight.data_ptr(), norm1.eps, *(ctypes.byref(s) for s in structs),
-                    ctypes.byref(attention_struct), work.data_ptr(), _threads)
+        work = paddle.empty([rows * (hidden + qkv_width + 2 * q_size + 3 * stack.inter)
+                             + _threads * at.heads * at.max_len], dtype="float32")  # layer.h's sizes
+        out, spare = paddle.empty([rows, hidden], dtype="float32"), paddle.empty([rows, hidden], dtype="float32")
+        attention_struct = _Attention(*(_ptr(getattr(at, name)) for name, _ in _Attention._fields_[:6]), None, None,
+                                      at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
+                                      at.tables.shape[1], at.max_len, at.scale)
+        self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
+                     stack.format, stack.norms, stack.eps, stack.linears, stack.caches, ctypes.byref(attention_struct),
+                     work.data_ptr(), _threads)
         return out
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,

@@ -1,8 +1,9 @@
-/* One decoder layer of a pass over up to 32 tokens in one call (included by kernels.c after the
- * kernels it chains): at batch 1 the layer's dozen Python-side steps (norms, kernel calls, output
+/* Every decoder layer of a pass over up to 32 tokens in one call (included by kernels.c after the
+ * kernels it chains): at batch 1 a layer's dozen Python-side steps (norms, kernel calls, output
  * allocations, residual adds) cost ~5 ms per decode step on the bench model, as much as reading a
- * fifth of its int8 weights. Each stage is the kernel the unfused path runs, in the same order, so
- * the values are the unfused kernel path's but for the norms' summation order. */
+ * fifth of its int8 weights, and a call per layer still ~1 ms. Each stage is the kernel the
+ * unfused path runs, in the same order, so the values are the unfused kernel path's but for the
+ * norms' summation order. */
 
 /* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * weight, float32 throughout (the reference's order). */
 static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t width, float eps) {
@@ -48,7 +49,7 @@ typedef struct {
 /* out = h + mlp(norm2(h)) with h = x + o(attention(rotary(qkv(norm1(x))))), x and out [rows,
  * hidden]. `work` holds rows * (hidden + qkv_width + 2 * heads * dim + 3 * inter) + threads * heads *
  * max_len floats. */
-void fdlp_decoder_layer(const float *x, float *out, int64_t rows, int64_t hidden, int64_t inter, int format,
+static void decoder_layer(const float *x, float *out, int64_t rows, int64_t hidden, int64_t inter, int format,
                         const float *norm1, const float *norm2, float eps, const fdlp_linear_t *qkv,
                         const fdlp_linear_t *o, const fdlp_linear_t *gate_up, const fdlp_linear_t *down,
                         const fdlp_attention_t *at, float *work, int threads) {
@@ -74,4 +75,24 @@ void fdlp_decoder_layer(const float *x, float *out, int64_t rows, int64_t hidden
     fdlp_swiglu(gate_up_out, act, rows, inter, threads);
     linear_of(format, act, down->weight, down->scale, down->bias, normed, rows, hidden, inter, threads);
     for (int64_t i = 0; i < rows * hidden; i++) out[i] += normed[i];
+}
+
+/* The `layers` decoder layers in order, from x to out (both [rows, hidden]; `spare` too, the other
+ * buffer they alternate with). Layer i has the norms norms[2i], norms[2i + 1], the linears
+ * linears[4i .. 4i + 3] (q/k/v, o, gate/up, down) and the cache caches[2i] (keys), caches[2i + 1]
+ * (values); `at` is the attention inputs every layer shares, its caches aside. */
+void fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers, int64_t rows, int64_t hidden,
+                         int64_t inter, int format, const float *const *norms, float eps, const fdlp_linear_t *linears,
+                         float *const *caches, const fdlp_attention_t *at, float *work, int threads) {
+    fdlp_attention_t layer_at = *at;
+    const float *in = x;
+    for (int64_t i = 0; i < layers; i++) {
+        float *dst = (layers - 1 - i) % 2 ? spare : out; /* the last layer writes out */
+        layer_at.k_cache = caches[2 * i];
+        layer_at.v_cache = caches[2 * i + 1];
+        const fdlp_linear_t *l = linears + 4 * i;
+        decoder_layer(in, dst, rows, hidden, inter, format, norms[2 * i], norms[2 * i + 1], eps, l, l + 1, l + 2, l + 3,
+                      &layer_at, work, threads);
+        in = dst;
+    }
 }
