@@ -216,6 +216,48 @@ def test_drafts_are_refined_by_the_grammar_cutting_what_it_rejects_and_drafting_
         assert llm.engine.num_steps - before == (steps - 1 if refined else steps)
 
 
+class MisbehaveArgs(BaseModel):
+    misbehave: str | None = None
+
+
+class MisbehavingAtDrafts(LogitsProcessor):
+    """Takes part in speculation, and at draft depths or when refining drafts does what a processor
+    must not: forces ids outside the vocabulary, raises, returns drafts that are no token ids."""
+
+    args_model = MisbehaveArgs
+    supports_speculation = True
+
+    def update_state(self, share_inputs):
+        pass
+
+    def update_draft_state(self, share_inputs):
+        how = {s: share_inputs["logits_processors_args"][s].misbehave
+               for s in np.flatnonzero(~np.asarray(share_inputs["stop_flags"]))}
+        if "raise" in how.values():
+            raise RuntimeError("at a draft depth")
+        for slot, what in how.items():
+            if what == "force":
+                share_inputs["forced_tokens"][slot].extend([-1, 10 ** 9])
+
+    def refine_drafts(self, slot, drafts, limit):
+        if slot % 2:
+            return ["not", "token", "ids"]
+        raise ZeroDivisionError("refining drafts")
+
+
+@pytest.mark.parametrize("how", ["force", "raise"])
+def test_a_processor_misbehaving_at_draft_depths_only_stops_acceptance_there(how):
+    processors = BUILTINS + ["test_speculative_decoding:MisbehavingAtDrafts"]
+    plain, llm = (LLM(max_num_seqs=4, logits_processors=processors, **kw) for kw in ({}, {"speculative_config": SPEC}))
+    params = [SamplingParams(temperature=t, seed=8, max_tokens=40, ignore_eos=True,
+                             logits_processors_args={"misbehave": how} if i % 2 else None)
+              for i, t in enumerate((0, 0, 0.8, 0.8))]
+    prompts = PROMPTS[:4]
+    a, b = run(plain, params, prompts), run(llm, params, prompts)
+    assert same_tokens(a, b) and all(x.outputs.finish_reason == "length" for x in b)
+    assert llm.speculative_stats()["accepted_tokens"] > 0
+
+
 def test_stop_strings_and_max_tokens_inside_accepted_runs(plain, spec):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     text = run(plain, greedy, PROMPTS[:1])[0].outputs.text
