@@ -150,16 +150,23 @@ static inline void split_bf16(ivec w, vec out[2]) {
 }
 
 /* x[0, k_len) with each chunk of split * LANES floats reordered to match a split widening: chunk
- * position s * LANES + i holds x[i * split + s]; the rest (k_len % chunk) is left out. Freed by
- * the caller. */
+ * position s * LANES + i holds x[i * split + s]; the rest (k_len % chunk) is left out. Written into
+ * the calling thread's buffer, which grows to the widest x seen and is kept (a GEMV per linear layer
+ * per step must not allocate); NULL if it cannot grow, and the caller widens without the split. */
 static float *permute_x(const float *x, int64_t k_len, int split) {
-    float *xs = malloc((size_t)k_len * sizeof(float) + 64);
-    if (!xs) abort(); /* a few KB: out of memory here is out of memory everywhere */
+    static __thread float *buffer;
+    static __thread int64_t capacity;
+    if (k_len > capacity) {
+        float *grown = realloc(buffer, (size_t)k_len * sizeof(float));
+        if (!grown) return NULL;
+        buffer = grown;
+        capacity = k_len;
+    }
     int64_t chunk = (int64_t)split * LANES, k_split = k_len - k_len % chunk;
     for (int64_t c = 0; c < k_split; c += chunk)
         for (int s = 0; s < split; s++)
-            for (int i = 0; i < LANES; i++) xs[c + s * LANES + i] = x[c + i * split + s];
-    return xs;
+            for (int i = 0; i < LANES; i++) buffer[c + s * LANES + i] = x[c + i * split + s];
+    return buffer;
 }
 
 #define WEIGHT float

@@ -160,7 +160,8 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
     for (int64_t n0 = 0; n0 < n_len; n0 += block) {
         int64_t n1 = n0 + block < n_len ? n0 + block : n_len;
 #ifdef SPLIT
-        if (m_len == 1) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
+        if (m_len == 1 && xs) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
+        else if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
 #else
         if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
 #endif
@@ -184,9 +185,6 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
             for (int64_t m = 0; m < m_len; m++)
                 for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
     }
-#ifdef SPLIT
-    free(xs);
-#endif
 }
 
 
