@@ -436,7 +436,9 @@ def test_tool_call_constraints_are_the_same_with_drafts(plain, spec, tool_choice
     assert same_tokens(a, b)
 
 
-def test_thinking_budget_takes_part_and_forces_the_same_close():
+def test_thinking_budget_does_not_take_part_and_forces_the_same_close():
+    """Its requests decode without drafts: its state read from several tokens at once (accepted
+    drafts) does not yet match its token-by-token reading (a probe found a budget forced elsewhere)."""
     engines = [LLM(max_num_seqs=4, logits_processors=["ThinkingBudgetLogitsProcessor"], **kw)
                for kw in ({}, {"speculative_config": SPEC})]
     questions = [[{"role": "user", "content": "What is 17 times 23? " * 3}],
@@ -448,8 +450,7 @@ def test_thinking_budget_takes_part_and_forces_the_same_close():
                                                   use_tqdm=False)] for llm in engines)
     assert same_tokens(a, b)
     assert any(" Time to answer. Time to answer.</think>" in x.outputs.text for x in b)
-    stats = engines[1].speculative_stats()
-    assert stats["requests_not_speculating"] == 0 and stats["accepted_tokens"] > 0
+    assert engines[1].speculative_stats()["requests_not_speculating"] == len(params) * len(questions)
 
 
 @pytest.mark.parametrize("results", ["(<results>[0-9]+</results>)?", "<results>[0-9]+</results>"])

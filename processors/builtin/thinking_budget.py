@@ -96,7 +96,6 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
     """
     args_model = ThinkingBudgetArgs
     uses_engine_context = True  # the tokenizer: <think> markers and stop sentences
-    supports_speculation = True  # what it masks is a function of each row's history (rescanned when it jumps)
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):
         super().__init__(fd_config)
