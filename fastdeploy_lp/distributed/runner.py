@@ -215,13 +215,13 @@ class TensorParallelRunner:
             raise TensorParallelError("the tensor-parallel runner was closed")
         message = pickle.dumps(("forward", list(feeds), list(fresh_blocks)), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for conn in self._ranks.conns:
-                conn.send_bytes(message)
+            for rank, conn in enumerate(self._ranks.conns):
+                self._send(rank, conn, message, "forward pass")
             replies = self._collect("forward pass", None)
-        except (_GroupBroken, OSError) as e:
+        except _GroupBroken as e:
             if self.failure is None and self._ranks.stopping.is_set():  # close() ran meanwhile
                 raise TensorParallelError("the tensor-parallel runner was closed") from None
-            self._fail(str(e) if isinstance(e, _GroupBroken) else f"a tensor-parallel rank's pipe broke: {e}")
+            self._fail(str(e))
             raise TensorParallelError(self.failure) from None
         errors = [(rank, r) for rank, r in enumerate(replies) if r[0] == "error"]
         if errors:  # every rank answered, so the group is in step: this pass fails, the next may run
@@ -244,6 +244,18 @@ class TensorParallelRunner:
         self._ranks.stop()
 
     # -- waiting on the ranks -------------------------------------------------------------------
+    def _send(self, rank: int, conn: Connection, message: bytes, what: str) -> None:
+        """A dead rank's pipe breaks before its exit status shows: report the death, not the pipe."""
+        try:
+            conn.send_bytes(message)
+        except OSError as e:
+            process = self._ranks.processes[rank]
+            process.join(5)
+            if process.exitcode is None:
+                raise _GroupBroken(f"tensor-parallel rank {rank}'s pipe broke before the {what}: {e}", []) from None
+            raise _GroupBroken(f"tensor-parallel rank {rank} (pid {process.pid}) {_describe_exit(process)} "
+                               f"before the {what}", []) from None
+
     def _collect(self, what: str, deadline: float | None) -> list[tuple]:
         """One reply per rank, in rank order. Raises `_GroupBroken` if a rank dies, if `deadline`
         passes, or if a rank has not answered `ERROR_GRACE_S` after another reported an error (it is
