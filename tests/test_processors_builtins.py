@@ -64,16 +64,21 @@ def ref_allowed(x, args, history, prompt_len, tok):
     return out
 
 
-def last_end(history, marker):
-    ends = [i + len(marker) for i in range(len(history) - len(marker) + 1) if history[i:i + len(marker)] == marker]
-    return ends[-1] if ends else -1
+def marker_ends(history, marker):
+    return [i + len(marker) for i in range(len(history) - len(marker) + 1) if history[i:i + len(marker)] == marker]
 
 
 def ref_thinking(x, args, history, prompt_len, tok):
-    opened, closed = last_end(history, tok.encode("<think>")), last_end(history, tok.encode("</think>"))
-    if opened < 0 or closed > opened:
+    """Open from the prompt's last <think> with no </think> after it, else from the output's first
+    <think>; the first </think> closes it for good."""
+    opens, closes = marker_ends(history, tok.encode("<think>")), marker_ends(history, tok.encode("</think>"))
+    prompt_open = max([e for e in opens if e <= prompt_len], default=-1)
+    prompt_close = max([e for e in closes if e <= prompt_len], default=-1)
+    output_opens = [e for e in opens if e > prompt_len]
+    opened = prompt_len if prompt_open > prompt_close else (output_opens[0] if output_opens else -1)
+    if opened < 0 or prompt_close > prompt_open or any(e > prompt_len for e in closes):
         return x.copy()
-    spent = len(history) - max(opened, prompt_len) - args.thinking_budget
+    spent = len(history) - opened - args.thinking_budget
     forced = (tok.encode(args.think_stop_sentence) if args.think_stop_sentence else []) + tok.encode("</think>")
     if not 0 <= spent < len(forced):
         return x.copy()
@@ -258,6 +263,29 @@ def test_thinking_budget_leaves_closed_thinking_alone(context):
     batch.place(0, tok.encode("<think>"), {"thinking_budget": 50})
     rows = drive(proc, batch, [1] + tok.encode("</think>") + list(range(60, 120)))
     assert all(forced(r) is None for r in rows)
+
+
+def test_thinking_budget_reads_several_tokens_at_once_as_it_reads_them_one_by_one(context):
+    """Accepted drafts arrive several tokens a step: a second `<think>` neither restarts the budget
+    nor, after `</think>`, reopens thinking, exactly as when the same tokens come one per step."""
+    tok = context.tokenizer
+    opening, close = tok.encode("<think>"), tok.encode("</think>")
+    output = [20] + opening + [21] + opening + [22] * 6 + close + opening + [23] * 8
+    for prompt, budget in (([5, 6], 4), ([5] + opening, 2), ([5] + opening + [6] + close, 0)):
+        seen = {}
+        for every in (1, 2, 3):  # update_state after every token, every second, every third
+            proc = build_processor(resolve_processor("ThinkingBudgetLogitsProcessor"), context)
+            batch = HandBatch(context)
+            batch.place(0, prompt, {"thinking_budget": budget})
+            for i, token in enumerate(output):
+                if i % every == 0:
+                    proc.update_state(batch.share)
+                    row = proc.apply(paddle.zeros([1, 1024])).numpy()[0]
+                    seen.setdefault(i, set()).add(forced(row))
+                    assert forced(row) == forced(ref_thinking(np.zeros(1024, np.float32), proc.args_model(
+                        thinking_budget=budget), prompt + output[:i], len(prompt), tok)), (prompt, every, i)
+                batch.append(0, token)
+        assert all(len(v) == 1 for v in seen.values()), (prompt, seen)
 
 
 def test_thinking_budget_uses_single_think_tokens_when_the_vocabulary_has_them():

@@ -128,5 +128,5 @@ def test_speculation_keeps_thinking_then_schema_token_for_token(llm, thinking_mo
         want, _ = generate(llm, seed, budget, bias, **template)
         got, _ = generate(spec, seed, budget, bias, **template)
         assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (seed, budget, template)
-    stats = spec.speculative_stats()  # every request sets thinking_budget, whose processor does not take part
-    assert stats["requests_not_speculating"] == len(cases), stats
+    stats = spec.speculative_stats()
+    assert stats["requests_not_speculating"] == 0 and stats["verify_passes"] > 0, stats

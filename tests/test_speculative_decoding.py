@@ -436,9 +436,7 @@ def test_tool_call_constraints_are_the_same_with_drafts(plain, spec, tool_choice
     assert same_tokens(a, b)
 
 
-def test_thinking_budget_does_not_take_part_and_forces_the_same_close():
-    """Its requests decode without drafts: its state read from several tokens at once (accepted
-    drafts) does not yet match its token-by-token reading (a probe found a budget forced elsewhere)."""
+def test_thinking_budget_takes_part_and_forces_the_same_close():
     engines = [LLM(max_num_seqs=4, logits_processors=["ThinkingBudgetLogitsProcessor"], **kw)
                for kw in ({}, {"speculative_config": SPEC})]
     questions = [[{"role": "user", "content": "What is 17 times 23? " * 3}],
@@ -450,7 +448,24 @@ def test_thinking_budget_does_not_take_part_and_forces_the_same_close():
                                                   use_tqdm=False)] for llm in engines)
     assert same_tokens(a, b)
     assert any(" Time to answer. Time to answer.</think>" in x.outputs.text for x in b)
-    assert engines[1].speculative_stats()["requests_not_speculating"] == len(params) * len(questions)
+    stats = engines[1].speculative_stats()
+    assert stats["requests_not_speculating"] == 0 and stats["accepted_tokens"] > 0
+
+
+def test_thinking_budget_counts_from_the_first_of_repeated_thinks_with_drafts():
+    """A probe's case: the output opens `<think>` again and again (pushed by `logit_bias`), so drafts
+    of it are accepted several at a time; `</think>` is forced where plain decoding forces it."""
+    engines = [LLM(max_num_seqs=2, logits_processors=["ThinkingBudgetLogitsProcessor"], **kw)
+               for kw in ({}, {"speculative_config": SPEC})]
+    think = engines[0].tokenizer.encode("<think>")
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=24, logprobs=1, ignore_eos=True,
+                             logit_bias={think[0]: bias}, logits_processors_args={"thinking_budget": budget})
+              for budget in (3, 7) for bias in (8.0, 12.0) for t in (0, 0.7)]
+    prompts = ["one two three four one two three four one two", "<think> a b <think> a b"]
+    a, b = ([x for p in params for x in llm.generate(prompts, p, use_tqdm=False)] for llm in engines)
+    assert same_tokens(a, b)
+    assert any("</think>" in x.outputs.text for x in a)
+    assert engines[1].speculative_stats()["accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("results", ["(<results>[0-9]+</results>)?", "<results>[0-9]+</results>"])

@@ -8,8 +8,10 @@ For models whose template wraps reasoning in `<think>` ... `</think>`. The proce
 tokens generated since `<think>` opened (in the prompt, when the chat template opens thinking, or
 in the output); once `thinking_budget` of them are spent it forces the tokens of
 `think_stop_sentence` (if given) and then `</think>`, one per step, by masking every other token.
-A request whose prompt or output already closed thinking (`</think>` after the last `<think>`) is
-left alone. The markers are the tokenizer's `<think>`/`</think>` tokens, or the tokens that spell
+Thinking is open from the prompt's last `<think>` when no `</think>` follows it, or else from the
+output's first `<think>`; the first `</think>` closes it for good, so a request whose prompt or output
+already closed thinking is left alone (a later `<think>`, say inside a JSON string of the answer,
+does not reopen it). The markers are the tokenizer's `<think>`/`</think>` tokens, or the tokens that spell
 them when the vocabulary has no such tokens.
 
 State is per slot (numpy), set from the whole history when a request joins (the only per-request
@@ -53,14 +55,13 @@ def marker_ids(tokenizer, marker: str) -> list[int]:
     return [token] if token is not None else tokenizer.encode(marker)
 
 
-def last_end(history: np.ndarray, marker: list[int]) -> int:
-    """The position just after the last occurrence of `marker` in `history`, or -1."""
+def marker_ends(history: np.ndarray, marker: list[int]) -> np.ndarray:
+    """The positions just after each occurrence of `marker` in `history`, ascending."""
     k = len(marker)
     if len(history) < k:
-        return -1
+        return _EMPTY
     windows = np.lib.stride_tricks.sliding_window_view(history, k)
-    hits = np.flatnonzero(np.all(windows == np.asarray(marker), axis=1))
-    return int(hits[-1]) + k if len(hits) else -1
+    return np.flatnonzero(np.all(windows == np.asarray(marker), axis=1)) + k
 
 
 class ThinkingBudgetLogitsProcessor(LogitsProcessor):
@@ -69,7 +70,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
     For models whose template wraps reasoning in `<think>` ... `</think>`. Once `thinking_budget`
     tokens were generated since `<think>` opened (in the prompt or in the output), it forces the
     tokens of `think_stop_sentence` (if given) and then `</think>`, one per step. A request whose
-    prompt or output already closed thinking is left alone. The markers are the tokenizer's
+    prompt or output already closed thinking is left alone, even if `<think>` comes again. The markers are the tokenizer's
     `<think>`/`</think>` tokens, or the tokens that spell them.
 
     Args:
@@ -95,6 +96,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
     ```
     """
     args_model = ThinkingBudgetArgs
+    supports_speculation = True  # accepted drafts are read as `_advance` reads one token at a time
     uses_engine_context = True  # the tokenizer: <think> markers and stop sentences
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):
@@ -144,12 +146,22 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
                 "forced": np.array([forced], np.int64)}
 
     def _scan(self, share_inputs, slot):
-        """Set the slot's state from its whole history (when it joins)."""
+        """Set the slot's state from its whole history, as `_advance` would have reached it token by
+        token from the prompt's: the prompt opened thinking if its last `<think>` comes after its last
+        `</think>`; in the output, the first `</think>` closes it for good and, while it is neither open
+        nor closed, the first `<think>` opens it. (Accepted drafts arrive several tokens at once: both
+        readings must agree, or a draft would change where `</think>` is forced.)"""
         history = self._history.ids[slot, : self._history.lengths[slot]]
         prompt_len = int(share_inputs["prompt_lens"][slot])
-        opened, closed = last_end(history, self._open.tolist()), last_end(history, self._close.tolist())
-        self._closed[slot] = closed > opened
-        self._opened[slot] = max(opened - prompt_len, 0) if opened > closed else -1
+        opens, closes = marker_ends(history, self._open.tolist()), marker_ends(history, self._close.tolist())
+        in_prompt = lambda ends: int(ends[ends <= prompt_len][-1]) if (ends <= prompt_len).any() else -1
+        prompt_opened, prompt_closed = in_prompt(opens), in_prompt(closes)
+        output_opens = opens[opens > prompt_len]
+        self._closed[slot] = prompt_closed > prompt_opened or (closes > prompt_len).any()
+        if prompt_opened > prompt_closed:
+            self._opened[slot] = 0
+        else:
+            self._opened[slot] = int(output_opens[0]) - prompt_len if len(output_opens) else -1
         self._seen[slot] = share_inputs["step_idx"][slot]
 
     def _advance(self, slots, step_idx):
