@@ -550,6 +550,13 @@ def test_a_draft_row_costs_what_the_steps_measure_and_every_request_of_the_batch
     assert abs(speculator.draft_row_cost - 0.2) < 0.01
     speculator.observe_step(0.0101, 4)           # a cheap pass never takes it below the floor
     assert speculator.draft_row_cost >= MIN_DRAFT_ROW_COST
+    speculator._batch = 4                        # a batch of 4's plain step takes 20 ms: its own reference
+    speculator.observe_step(0.020, 0)
+    before = speculator.draft_row_cost
+    for _ in range(60):
+        speculator.observe_step(0.022, 4)        # 0.025 of a 4-request step per draft row, not 0.3 of a 1-request one
+    assert speculator.draft_row_cost < before and abs(speculator.draft_row_cost - MIN_DRAFT_ROW_COST) < 0.01
+    speculator._batch, speculator.draft_row_cost = 1, 0.2
     fixed = Speculator(SpeculativeConfig.from_value({"method": "ngram", "draft_row_cost": 0.3}), None, None, None)
     fixed.observe_step(0.010, 0)
     fixed.observe_step(0.050, 4)                 # a fixed cost is not measured

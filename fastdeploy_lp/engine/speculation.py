@@ -18,7 +18,8 @@ made findable in the prefix cache), and a rejected position's are overwritten by
 
 Backing off per request: a draft row is not free, so a request whose drafts keep being rejected
 would make every step slower for nothing. A draft row costs a fraction of a plain decode step: the
-engine measures it (`observe_step`: decode steps with drafts against those without), never below
+engine measures it (`observe_step`: decode steps with drafts against those without, of the same
+batch size; a batch size drafts once its plain step has been timed), never below
 `MIN_DRAFT_ROW_COST` (bench/speculative.py's k+1-row pass over a 1-row step on the bench model,
 0.05), unless `draft_row_cost` fixes it.
 It is paid by every request of the batch, since each waits for the longer step, while the
@@ -106,7 +107,9 @@ class Speculator:
         self._requests: dict[int, _Drafting] = {}  # by admission
         self._step = 0
         self._batch = 1  # running requests this step: each pays for the step's draft rows
-        self._plain_step_s: float | None = None  # running average of a decode step without drafts
+        # running average of a decode step without drafts, per batch size: a draft row is weighed
+        # against a plain step of the same batch (steps of 1 and 4 requests differ by 2x on small models)
+        self._plain_step_s: dict[int, float] = {}
         # of a plain step: measured (observe_step) unless the config fixes it
         self.draft_row_cost = MIN_DRAFT_ROW_COST if config.measures_draft_cost else config.draft_row_cost
 
@@ -126,7 +129,8 @@ class Speculator:
                   for r in running[start:] + running[:start]] if budget > 0 else []
         # A draft gains at most one step of its request and costs draft_row_cost of a step for each
         # running request: at or past cost x batch = 1 no acceptance rate can pay for it.
-        pays = self._step % PLAIN_STEP_EVERY != 1 and self.draft_row_cost * len(running) < 1
+        pays = self._step % PLAIN_STEP_EVERY != 1 and self.draft_row_cost * len(running) < 1 and \
+            (self._batch in self._plain_step_s or not self.config.measures_draft_cost)
         wanted = [(r, k) for r, k in wanted if k > 0 and not r.forced_queue
                   and self._may_draft(self._requests[r.admission])] if pays else []
         proposals = self.proposer.propose_many([r for r, _ in wanted], [k for _, k in wanted], budget)
@@ -161,18 +165,19 @@ class Speculator:
         self.stats.backoffs += 1
 
     def observe_step(self, seconds: float, draft_rows: int) -> None:
-        """A decode step (no prompt chunks) took `seconds` with `draft_rows` draft rows: keep the
-        running averages of a plain step's time and of a draft row's cost in plain steps."""
+        """A decode step (no prompt chunks) of this step's batch took `seconds` with `draft_rows`
+        draft rows: keep the running averages of a plain step's time at that batch size and of a
+        draft row's cost in plain steps."""
         if not self.config.measures_draft_cost:
             return
+        plain = self._plain_step_s.get(self._batch)
         if not draft_rows:
-            plain = self._plain_step_s
-            self._plain_step_s = seconds if plain is None else plain + STEP_WEIGHT * (seconds - plain)
-        elif self._plain_step_s:
+            self._plain_step_s[self._batch] = seconds if plain is None else plain + STEP_WEIGHT * (seconds - plain)
+        elif plain:
             # One slow step (a collection, the OS) must not read as a dear draft row: capped at half a
             # step (the built-in model's rows measure ~0.25), so a lone request always drafts and its
             # own back-off decides.
-            measured = min(MAX_DRAFT_ROW_COST, max(0.0, seconds / self._plain_step_s - 1) / draft_rows)
+            measured = min(MAX_DRAFT_ROW_COST, max(0.0, seconds / plain - 1) / draft_rows)
             cost = self.draft_row_cost + STEP_WEIGHT * (measured - self.draft_row_cost)
             self.draft_row_cost = max(MIN_DRAFT_ROW_COST, cost)
 
