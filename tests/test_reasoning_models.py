@@ -60,6 +60,7 @@ def test_open_thinking_is_free_then_the_answer_follows_the_schema(llm):
         out, (reasoning, answer) = generate(llm, seed, open_thinking=True)
         assert out.finish_reason == "stop", out
         assert "</think>" in out.text and reasoning is not None
+        assert not out.text.startswith("think>")  # the prompt opened the tag: nothing of it is forced again
         jsonschema.validate(json.loads(answer), SCHEMA)
 
 
@@ -79,6 +80,21 @@ def test_the_model_may_open_its_reasoning_or_answer_at_once(llm):
     direct, (reasoning, answer) = generate(llm, 1, bias={lt: -100})
     assert reasoning is None and not direct.text.startswith("<")
     jsonschema.validate(json.loads(direct.text), SCHEMA)
+
+
+def test_close_on_length_ends_the_thinking_in_time_for_the_answer_to_close(llm):
+    """The model would think past max_tokens (its </think> banned): the end tag is forced when the
+    budget left is the tag plus the answer's shortest closing, and the answer parses."""
+    end = llm.tokenizer.encode("</think>")
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES, open_thinking=True))
+    for max_tokens in (18, 30):  # the tag (7 tokens here) and the shortest answer (11) fit 18
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, logit_bias={end[0]: -100},
+                                guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+        reasoning, answer = PARSER.split(out.text, PARSER.prompt_state(llm.tokenizer.decode(prompt)))
+        assert out.finish_reason == "length" and out.closed_on_length and len(out.token_ids) == max_tokens, out
+        assert "</think>" in out.text and (reasoning or max_tokens == 18)  # at 18 the tag is due at once
+        jsonschema.validate(json.loads(answer), SCHEMA)
 
 
 @pytest.fixture(scope="module")

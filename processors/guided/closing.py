@@ -18,7 +18,9 @@ against the matcher's mask, so the closing is always valid; schema rules the ran
 (a minLength, a pattern, an enum) make it take the allowed byte it has used least, so it does not
 go round in circles. The bytes are then re-tokenized into fewer tokens when the matcher accepts them.
 
-`LengthCloser` is one request's use of it: the closing's length is the reserve. Its walk runs only
+`LengthCloser` is one request's use of it: the closing's length is the reserve. Under a reasoning
+parser, while the model thinks, the reserve is the end tag plus the answer's shortest closing, and
+the end tag is forced when the budget comes down to it, so the answer still gets its closing. Its walk runs only
 in the last stretch of the budget (remaining <= 4 x closing + 64 tokens, so long requests do no
 work for most of their steps), and reuses the previous closing when the output followed it. When
 the remaining budget equals the reserve, the closing becomes the request's forced tokens and the
@@ -226,6 +228,19 @@ class LengthCloser:
                            len(self.plan), budget)
         self.closed = True
         return self.plan
+
+    def thinking_end_due(self, matcher: llg.LLMatcher, budget: int, end_ids: list[int]) -> list[int]:
+        """While a reasoning model thinks (the matcher has consumed nothing of the answer yet): the
+        end tag's tokens to force now, once the budget left is the tag plus the answer's shortest
+        closing, so that the answer still closes; else []. Keeps `reserve` as tag + closing."""
+        if self.closed:
+            return []
+        if self.plan is None:
+            self.plan = self.search.closing(matcher, self.syntax)
+        if self.plan is None:
+            return []
+        self.reserve = len(end_ids) + len(self.plan)
+        return list(end_ids) if budget <= self.reserve else []
 
     def in_zone(self, budget: int) -> bool:
         """Whether the next sampled token must be checked (see `safe_tokens`)."""

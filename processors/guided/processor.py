@@ -76,6 +76,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self.reasoning = get_reasoning_parser(fd_config.reasoning_parser)
         if self.reasoning is not None:
             self._start_ids = tokenizer.encode(self.reasoning.start, add_special_tokens=False)
+            self._end_ids = tokenizer.encode(self.reasoning.end, add_special_tokens=False)
         eos = list(fd_config.model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
@@ -350,7 +351,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         if self.reasoning is None:
             return None
         tail = self.tokenizer.decode(share_inputs["prompt_ids"][slot][-_PROMPT_TAIL:], skip_special_tokens=False)
-        return ReasoningGate(self.reasoning, self.reasoning.prompt_state(tail), self._start_ids,
+        return ReasoningGate(self.reasoning, self.reasoning.prompt_state(tail), self._start_ids, self._end_ids,
                               self.tokenizer.token_bytes)
 
     def _join(self) -> None:

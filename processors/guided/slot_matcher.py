@@ -24,9 +24,14 @@ class ReasoningGate:
     end tag is found in the bytes of the tokens, however the model split it into tokens.
     """
 
-    def __init__(self, parser, state: ReasoningState, start_ids: list[int], token_bytes: list[bytes]):
+    def __init__(self, parser, state: ReasoningState, start_ids: list[int], end_ids: list[int],
+                 token_bytes: list[bytes]):
         self.state = state
-        self.start_first, self.forced_start = start_ids[0], start_ids[1:]
+        # The rest of the start tag follows its first token only where the output opens the block;
+        # a prompt that opened it (the template's "<think>\n") needs nothing forced.
+        self.start_first = start_ids[0]
+        self.forced_start = start_ids[1:] if state == ReasoningState.UNDECIDED else []
+        self.end_ids = end_ids  # forced when a request that closes on length must stop thinking
         self._end = parser.end.encode()
         self._token_bytes = token_bytes
         self._tail = b""
@@ -123,6 +128,8 @@ class SlotMatcher:
         if not self.answering:  # nothing of the constraint yet; after an opened start tag, its rest
             if self.gate.state == ReasoningState.REASONING:
                 forced.extend(self.gate.take_forced_start())
+                if not forced and self.closer is not None:  # thinking must end while the answer can close
+                    forced.extend(self.closer.thinking_end_due(self.matcher, self.budget, self.gate.end_ids))
             return None
         if self.ahead or forced or self.matcher.is_stopped():  # tokens queued ahead of the output: wait
             return None
