@@ -219,9 +219,9 @@ class LLMEngine:
         self._prepare(finished)
         running = self.scheduler.running
         chunks = [c for c in chunks if c.request.slot is not None]  # a preempted request's chunk waits
+        started = time.perf_counter()  # a step's drafting counts in its time (a draft model's passes)
         drafts = self.speculator.propose(running, chunks) if self.speculator else {}
         if running or chunks:
-            started = time.perf_counter()
             try:
                 self._decode(running, chunks, finished, drafts)
                 if self.speculator and not chunks:
