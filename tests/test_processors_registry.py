@@ -78,6 +78,8 @@ def test_every_builtin_resolves_to_its_class():
     ({"allowed_token_ids": [True]}, "allowed_token_ids.0", "valid integer"),
     ({"thinking_budget": -1}, "thinking_budget", "greater than or equal to 0"),
     ({"thinking_budget": 1.5}, "thinking_budget", "valid integer"),
+    ({"thinking_budget": 2**63}, "thinking_budget", "less than or equal to 2147483647"),  # never an int64 overflow
+    ({"no_repeat_ngram_size": 2**63}, "no_repeat_ngram_size", "less than or equal to 2147483647"),
     ({"think_stop_sentence": "Stop."}, "think_stop_sentence", "think_stop_sentence needs thinking_budget"),
 ])
 def test_bad_args_are_a_value_error_naming_the_key_and_the_registered_processors(args, key, why, context):

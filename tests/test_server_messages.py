@@ -201,6 +201,8 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
      "ThinkingBudgetLogitsProcessor"),
     ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
      "thinking: budget_tokens is only for type 'enabled'"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2**63}}, 400, "invalid_request_error",
+     "thinking.budget_tokens"),
 ])
 def test_errors_have_anthropic_shape_and_name_the_field(http, change, status, kind, names):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **change}

@@ -27,10 +27,11 @@ from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareIn
 from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
 from fastdeploy_lp.processors.tensor_ops import add_at, index_tensor
 from fastdeploy_lp.processors.token_history import TokenHistory
+from fastdeploy_lp.sampling_params import INT32_MAX
 
 
 class NoRepeatNGramArgs(BaseModel):
-    no_repeat_ngram_size: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+    no_repeat_ngram_size: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)] | None = Field(
         None, description="n: no n-gram of prompt + output may occur twice")
 
 

@@ -32,12 +32,13 @@ from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.tensor_ops import fill_at, index_tensor
 from fastdeploy_lp.processors.token_history import TokenHistory
+from fastdeploy_lp.sampling_params import INT32_MAX
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class ThinkingBudgetArgs(BaseModel):
-    thinking_budget: Annotated[int, Field(strict=True, ge=0)] | None = Field(
+    thinking_budget: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] | None = Field(
         None, description="most tokens generated inside <think> before </think> is forced")
     think_stop_sentence: Annotated[str, Field(strict=True)] | None = Field(
         None, description="text forced before </think> when the budget is spent")
