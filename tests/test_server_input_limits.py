@@ -130,6 +130,10 @@ LARGE_BODIES = [
     ("stop-token-ids", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": [9] * 100000},
      "stop_token_ids", "--max-stop"),
     ("token-ids-7MB", "/v1/completions", {"prompt": [123] * 1_500_000, "max_tokens": 4}, "prompt", "max_model_len"),
+    # a text far over the context is refused after encoding a slice of it, not all 7 MB (3 s)
+    ("text-7MB", "/v1/completions", {"prompt": "Paris is nice. " * 466_000, "max_tokens": 4}, "prompt",
+     "max_model_len"),
+    ("chat-text-7MB", "/v1/chat/completions", chat(user("Paris is nice. " * 466_000)), "messages", "max_model_len"),
     ("n-128", "/v1/completions", {"prompt": "Hi", "max_tokens": 400, "n": 128, "ignore_eos": True}, "n", "--max-n"),
     ("batch-x-n", "/v1/completions", {"prompt": ["Hi"] * 32, "max_tokens": 400, "n": 16, "ignore_eos": True},
      "prompt", "--max-sequences-per-request"),

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.protocol_constraints import refuse_constraint_fields
+from fastdeploy_lp.sampling_params import INT32_MAX
 
 _STRICT = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
@@ -147,7 +148,7 @@ class AnthropicToolChoice(BaseModel):
 class ThinkingConfig(BaseModel):
     model_config = _STRICT
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1, description="With type 'enabled': most tokens the model thinks "
+    budget_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="With type 'enabled': most tokens the model thinks "
                                                                "before </think> is forced (needs the server's "
                                                                "ThinkingBudgetLogitsProcessor).")
 

@@ -104,7 +104,9 @@ class OpenAIServingChat(OpenAIServing):
         text = render_chat_prompt(self.tokenizer, [m.for_template() for m in req.messages],
                                   add_generation_prompt=req.add_generation_prompt, tools=req.tools_for_template(),
                                   chat_template_kwargs=req.chat_template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        limit = self.engine.engine.fd_config.max_model_len
+        with value_errors_as_400({"prompt": "messages"}):
+            return self.tokenizer.encode(text, add_special_tokens=False, limit=limit), text
 
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()

@@ -122,7 +122,8 @@ class LLMEngine:
         """Validate one prompt and build its `params.n` requests without queueing them."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens,
+                                                      limit=self.fd_config.max_model_len)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             text, ids = None, [int(t) for t in prompt]
         else:

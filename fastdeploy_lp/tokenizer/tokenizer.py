@@ -19,6 +19,9 @@ _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|
 _CODE_DEFINED_PRETOKENIZERS = {"qwen2": _QWEN2_SPLIT, "qwen3": _QWEN2_SPLIT}
 
 
+ENCODE_SLICE = 1 << 16  # characters encoded at a time when a prompt may be far over the limit
+SLACK_PER_CUT = 32  # tokens a cut between slices may add (a special token's text split in two)
+
 class Tokenizer:
     """`encode`/`decode` text, render chats, and expose the vocabulary as bytes (for grammars)."""
 
@@ -79,18 +82,34 @@ class Tokenizer:
         return {i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i)}
 
     # -- text -----------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`. Special-token strings in the text (`<|im_end|>`) map to their ids.
 
         Text that is not valid Unicode (a lone surrogate) is a `ValueError` naming the prompt: the
-        engine encodes prompts with this, and every other text is checked where it enters."""
+        engine encodes prompts with this, and every other text is checked where it enters. With
+        `limit`, a text certainly longer than `limit` tokens is a `ValueError` found by encoding only
+        as much of it as it takes: a server must not spend seconds encoding 8 MB it will refuse."""
         check_text(text, "prompt")
+        if limit is not None and len(text) > max(ENCODE_SLICE, 8 * limit):  # a text that fits is encoded once
+            self._check_within(text, limit)
         if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._encode_sentencepiece(text)
         if add_special_tokens and self.config.get("add_bos_token", True) and self._sp.bos_id() >= 0:
             ids = [self._sp.bos_id()] + ids
         return ids
+
+    def _check_within(self, text: str, limit: int) -> None:
+        """Encode `text` a slice at a time; raise once the count is over `limit` by more than what
+        the cuts may have added (a word or a special token split in two: a few tokens per cut)."""
+        count = 0
+        for cuts, start in enumerate(range(0, len(text), ENCODE_SLICE)):
+            piece = text[start:start + ENCODE_SLICE]
+            count += len(self._hf.encode(piece, add_special_tokens=False).ids) if self._hf is not None else \
+                len(self._encode_sentencepiece(piece))
+            if count > limit + SLACK_PER_CUT * cuts:
+                raise ValueError(f"prompt: is longer than max_model_len={limit} tokens "
+                                 f"(over {count - SLACK_PER_CUT * cuts} in its first {start + len(piece)} characters)")
 
     @cached_property
     def _special_pattern(self) -> re.Pattern | None:

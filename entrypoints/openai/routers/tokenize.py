@@ -1,8 +1,11 @@
-"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize on the event
-loop as the chat path does (`serving_tokenize.py`), answer. They need the tokenizer only, so they
+"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize on a worker
+thread as the chat path would (`serving_tokenize.py`; like vLLM, a count past max_model_len is
+answered, so a text of megabytes is counted in full, off the event loop), answer. They need the tokenizer only, so they
 answer while the engine is busy or draining too."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -26,8 +29,8 @@ async def tokenize_prompt(request: Request):
     state.chat.check_model(body.model)
     headers = ignored_fields_header(request, body)
     engine = state.async_engine.engine
-    with value_errors_as_400():
-        out = tokenize(engine.tokenizer, body, engine.fd_config.max_model_len)
+    with value_errors_as_400():  # on a worker: counting an 8 MB text takes seconds, and may exceed the limit
+        out = await asyncio.to_thread(tokenize, engine.tokenizer, body, engine.fd_config.max_model_len)
     return JSONResponse(out, headers=headers)
 
 
