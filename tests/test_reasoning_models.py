@@ -82,6 +82,19 @@ def test_the_model_may_open_its_reasoning_or_answer_at_once(llm):
     jsonschema.validate(json.loads(direct.text), SCHEMA)
 
 
+@pytest.mark.parametrize("template", [{"open_thinking": True}, {}])
+def test_a_constrained_output_never_ends_while_thinking(llm, template):
+    """EOS is banned while the model thinks: an output that stops has answered in schema (a probe
+    found outputs ending inside the thinking with finish_reason "stop" and no answer)."""
+    eos = llm.tokenizer.eos_token_id
+    lt = llm.tokenizer.encode("<think>")[0]
+    for seed in range(6):
+        out, (reasoning, answer) = generate(llm, seed, budget=40, bias={eos: 6.0, lt: 3.0}, **template)
+        assert out.finish_reason in ("stop", "length"), out
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(answer), SCHEMA)
+
+
 def test_close_on_length_ends_the_thinking_in_time_for_the_answer_to_close(llm):
     """The model would think past max_tokens (its </think> banned): the end tag is forced when the
     budget left is the tag plus the answer's shortest closing, and the answer parses."""

@@ -52,6 +52,7 @@ from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
 from fastdeploy_lp.processors.guided.slot_matcher import DraftWalk, ReasoningGate, SlotMatcher
 from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
+from fastdeploy_lp.processors.tensor_ops import fill_at
 from fastdeploy_lp.reasoning import ReasoningState, get_reasoning_parser
 from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
 
@@ -95,6 +96,7 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         self._row_matchers: list[llg.LLMatcher] = []  # ... and their matchers
         self._row_extra: list[tuple[int, int]] = []  # (bitmask row, token) also allowed: a reasoning start
         self._zone: list[tuple[int, SlotMatcher]] = []  # (bitmask row, slot) near its closing reserve
+        self._thinking_rows: list[int] = []  # logits rows of requests still thinking: EOS is banned there
         self._walks: dict[int, DraftWalk] = {}  # slot -> how far this step's verify pass took it through its drafts
 
     # -- admission ------------------------------------------------------------------------------
@@ -165,10 +167,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if error is not None:
                 failures[slot] = error
                 self._slots[slot] = None
-            elif state.gate is None or state.gate.state != ReasoningState.REASONING:  # thinking: no mask
+            elif state.gate is None or state.gate.state != ReasoningState.REASONING:
                 self._add_row(row, slot, state)
                 if state.closer is not None and not state.ahead and state.closer.in_zone(state.budget):
                     self._zone.append((len(self._rows) - 1, state))
+            else:  # thinking: no mask, but no EOS
+                self._thinking_rows.append(row)
         if failures:
             self._clear_rows()
             raise RequestFailures(failures)
@@ -186,8 +190,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
 
     def _clear_rows(self) -> None:
         self._rows, self._row_slots, self._row_matchers, self._row_extra, self._zone = [], [], [], [], []
+        self._thinking_rows = []
 
     def apply(self, logits: paddle.Tensor) -> paddle.Tensor:
+        if self._thinking_rows:  # the output may not end before the answer the constraint asks for
+            eos = np.asarray(self.eos_token_ids, dtype=np.int64)
+            logits = fill_at(logits, np.repeat(self._thinking_rows, len(eos)), np.tile(eos, len(self._thinking_rows)))
         if not self._rows:
             return logits
         self._join()
@@ -267,7 +275,9 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if not state.answering:
                 if state.gate.state == ReasoningState.REASONING:
                     forced.extend(state.gate.take_forced_start())
-                    continue  # thinking: no mask
+                    if not forced:  # thinking: no mask, but no EOS
+                        self._thinking_rows.append(row)
+                    continue
             elif not state.matcher.is_stopped():
                 forced.extend(state.matcher.compute_ff_tokens())
             if not forced:
