@@ -112,6 +112,10 @@ def _body_beside_a_small_request(server, path, body):
 MANY_WORDS = ["1" * 5000] + [f"w{i}" for i in range(5000)]
 LARGE_BODIES = [
     ("20000-messages", "/v1/chat/completions", chat(*[user("a")] * 20000), "messages", "--max-messages"),
+    ("200000-input-items", "/v1/responses", {"input": [user("a")] * 200000, "max_output_tokens": 4}, "input",
+     "--max-messages"),
+    ("50000-tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": f"f{i}"}}
+                                                      for i in range(50000)]), "tools", "--max-tools"),
     ("bad-words", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "bad_words": MANY_WORDS},
      "bad_words", "--max-bad-words"),
     ("one-long-bad-word", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "bad_words": ["1" * 5000]},

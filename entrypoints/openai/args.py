@@ -65,8 +65,11 @@ class ServerArgs:
         DEFAULT_RESPONSES_STORE_SIZE, "Most responses /v1/responses keeps in memory (store: true) for GET and "
                                       "previous_response_id; past it the least recently used is evicted. 0: none.",
         group=LIMITS, parse=non_negative_int, metavar="N")
-    max_messages: int = option(2048, "Most messages in one chat request; more get a 400 before any templating.",
+    max_messages: int = option(2048, "Most messages in one chat request (input items in one /v1/responses "
+                                     "request); more get a 400 before any templating.",
                                group=LIMITS, parse=positive_int, metavar="N")
+    max_tools: int = option(128, "Most tool definitions in one request (OpenAI's own limit); more get a 400 before "
+                                 "any templating.", group=LIMITS, parse=positive_int, metavar="N")
     max_n: int = option(16, f"Most choices (n) per request (at most {MAX_N}); more get a 400.", group=LIMITS,
                         parse=positive_int, metavar="N")
     max_sequences_per_request: int = option(
@@ -94,7 +97,8 @@ class ServerArgs:
             raise ValueError(f"--max-n: at most {MAX_N}, got {self.max_n}")
         return RequestLimits(max_messages=self.max_messages, max_bad_words=self.max_bad_words,
                              max_bad_word_length=self.max_bad_word_length, max_n=self.max_n,
-                             max_sequences_per_request=self.max_sequences_per_request, max_stop=self.max_stop)
+                             max_sequences_per_request=self.max_sequences_per_request, max_stop=self.max_stop,
+                             max_tools=self.max_tools)
 
     def resolve_api_key(self) -> str | None:
         """The flag, else the environment variable (read after parsing so --help never shows it)."""

@@ -20,18 +20,21 @@ class RequestLimits:
     """What one request may ask for; the flags of the same names (`ServerArgs`) document each and
     hold the defaults."""
 
-    max_messages: int               # chat turns
+    max_messages: int               # chat turns (and /v1/responses input items)
     max_bad_words: int              # entries per bad-words list
     max_bad_word_length: int        # characters of a word, ids of a banned sequence
     max_n: int                      # choices per prompt
     max_sequences_per_request: int  # prompts x n of one request
     max_stop: int                   # entries of stop and of stop_token_ids, checked every token
+    max_tools: int = 128            # tool definitions, each templated and compiled into the constraint
     max_model_len: int | None = None  # the engine's context (set when the app is built): longer token-id prompts cannot run
 
     def check(self, body: dict) -> None:
         """400 naming the first field over a limit. Values of the wrong type are left to the
         request model, which reports them."""
         self._check_count(body, "messages", self.max_messages, "--max-messages")
+        self._check_count(body, "input", self.max_messages, "--max-messages")  # /v1/responses' items
+        self._check_count(body, "tools", self.max_tools, "--max-tools")
         self._check_count(body, "stop", self.max_stop, "--max-stop")
         self._check_count(body, "stop_token_ids", self.max_stop, "--max-stop")
         n = body.get("n")
