@@ -16,6 +16,7 @@ is the prompt the engine ran.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -73,9 +74,9 @@ class AnthropicServingMessages:
         """`{"input_tokens"}`: the prompt /v1/messages would run, rendered and encoded the same way."""
         chat_req = _chat_request(req)
         self.chat.check_model(chat_req.model)
-        with value_errors_as_400():
-            ids = chat_prompt_ids(self.chat.tokenizer, chat_req.messages, chat_req.tools,
-                                  chat_template_kwargs=chat_req.chat_template_kwargs)
+        with value_errors_as_400():  # on a worker, as /tokenize: a count may run to megabytes of text
+            ids = await asyncio.to_thread(chat_prompt_ids, self.chat.tokenizer, chat_req.messages, chat_req.tools,
+                                          chat_template_kwargs=chat_req.chat_template_kwargs)
         return JSONResponse({"input_tokens": len(ids)}, headers=headers)
 
     def _message(self, message_id: str, out: RequestOutput, run: ChatRun) -> dict:
