@@ -62,8 +62,11 @@ def test_every_builtin_resolves_to_its_class():
     ({"custom_processors:YourLogitsProcessor": True}, "custom_processors:YourLogitsProcessor",
      "no registered logits processor reads this key"),  # requests never name code to load
     ({"logit_bias": {"5000": 1.0}}, "logit_bias", "token id 5000 is outside the vocabulary (0..1023)"),
-    ({"logit_bias": {"-1": 1.0}}, "logit_bias", "outside the vocabulary"),
-    ({"logit_bias": {"x": 1.0}}, "logit_bias.x", "valid integer"),
+    ({"logit_bias": {"-1": 1.0}}, "logit_bias", "keys must be token ids (non-negative integers), got '-1'"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias", "keys must be token ids (non-negative integers), got 'x'"),
+    ({"logit_bias": {"1_0": 1.0}}, "logit_bias", "got '1_0'"),  # as the top-level logit_bias: digits only
+    ({"logit_bias": {"+5": 1.0}}, "logit_bias", "got '+5'"),
+    ({"logit_bias": {" 5": 1.0}}, "logit_bias", "got ' 5'"),
     ({"logit_bias": {"5": "big"}}, "logit_bias.5", "valid number"),
     ({"logit_bias": {"5": float("inf")}}, "logit_bias", "not a finite float32 number"),
     ({"logit_bias": {"5": 1e39}}, "logit_bias", "not a finite float32 number"),

@@ -33,6 +33,15 @@ class LogitBiasArgs(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(strict=True)]] | None = Field(
         None, description="token id -> bias added to its logit; ids in the vocabulary, finite biases")
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _keys_are_token_ids(cls, value):
+        """JSON keys are strings: only digits name a token (pydantic alone also reads "1_0" or "+5")."""
+        for key in value if isinstance(value, dict) else ():
+            if not (type(key) is int or isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _in_vocab_and_finite(cls, value, info: ValidationInfo):
