@@ -307,3 +307,20 @@ def test_streamed_tool_calls_carry_every_token_logprob_once(client):
     streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == [t.token for t in full.choices[0].logprobs.content]
     assert len(streamed) == chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_date"}}, "required", "auto"],
+                         ids=["named", "required", "auto"])
+def test_a_bad_parameters_schema_is_a_400_naming_that_tool(client, tool_choice):
+    """Not the constraint's inner path (`tools.format.tags[1].content.json_schema`; probe)."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "get_date", "parameters": {
+        "type": "object", "properties": {"day": {"type": "nope"}}}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default-model", messages=ASK, tools=tools, tool_choice=tool_choice)
+    assert e.value.body["param"] == "tools[1].function.parameters", e.value.body
+    assert e.value.body["message"].startswith("tools[1].function.parameters: "), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="default-model", input="Hi", tools=[
+            {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in tools])
+    assert e.value.body["param"] == "tools[1].parameters", e.value.body

@@ -45,15 +45,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(error: ValueError, renames: dict[str, str] | None = None) -> OpenAIError:
     """`ValueError("max_tokens: must be ...")` → 400 with `param="max_tokens"`.
 
-    `renames` maps engine field names to the request's (a chat request's `prompt` is its `messages`).
+    `renames` maps engine field names to the request's (a chat request's `prompt` is its `messages`);
+    a key with a path (`structural_tag.format.tags[1].content.json_schema`) renames that prefix.
     """
     message = str(error).replace(": Value error, ", ": ")  # pydantic's prefix, from processor args models
     field, sep, rest = message.partition(": ")
     if not sep or not _FIELD.match(field):
         return bad_request(message)
-    root, dot, tail = field.partition(".")
-    root = (renames or {}).get(root, root)
-    field = root + dot + tail
+    paths = [k for k in renames or () if "." in k and (field == k or field[len(k):len(k) + 1] in (".", "["))
+             and field.startswith(k)]
+    if paths:
+        field = renames[paths[0]] + field[len(paths[0]):]
+    else:
+        root, dot, tail = field.partition(".")
+        field = (renames or {}).get(root, root) + dot + tail
     return bad_request(f"{field}: {rest}", param=field)
 
 

@@ -90,6 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         renames = self.guided_renames("tools" if tool_guided is not None else req.constraint_field(),
                                       req.whitespace_field())
         renames.update({"prompt": "messages", "max_tokens": max_field})
+        if tool_guided is not None:  # the constraint's tags are the tools, in order: errors name the tool
+            renames.update(_tool_schema_renames(req))
         stream = await self.submit(prompt_ids, params, renames=renames)
         thinking = self.reasoning.prompt_state(prompt_text) if self.reasoning is not None else None
         reader = None
@@ -276,6 +278,20 @@ def _tool_deltas(events: list[tuple]) -> list[dict]:
         elif kind == "arguments":
             deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
     return deltas
+
+
+def _tool_schema_renames(req: ChatCompletionRequest) -> dict[str, str]:
+    """Where a tool's parameters sit in the tool-call constraint (`tool_calls.tool_call_constraint`:
+    one tag per tool, or the named tool's alone) → the request's `tools[i].function.parameters`."""
+    renames = {f"structural_tag.format.tags[{i}].content.json_schema": f"tools[{i}].function.parameters"
+               for i in range(len(req.tools or ()))}
+    choice = req.tool_choice_value()
+    if isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name", choice.get("name"))
+        index = next((i for i, t in enumerate(req.tools) if t.function.name == named), None)
+        if index is not None:
+            renames["structural_tag.format.content.json_schema"] = f"tools[{index}].function.parameters"
+    return renames
 
 
 def _call_id() -> str:
