@@ -49,6 +49,8 @@ class GuidedDecodingParams:
     max_number_digits: int | None = None
 
     def __post_init__(self):
+        if self.json is False:  # a JSON Schema of its own, which no document satisfies (not "unset")
+            raise ValueError("guided_json: the schema false allows no output")
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError("guided_decoding: exactly one of json, json_object, regex, choice, grammar, "

@@ -242,10 +242,12 @@ def test_constraints_are_refused_when_guided_decoding_is_off():
 @pytest.mark.parametrize("fields", [{"guided_regex": "(unclosed"},
                                     {"response_format": {"type": "json_schema",
                                                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-                                    {"guided_grammar": "root ::= \"a\" ("}],
-                         ids=["regex", "json-schema", "grammar"])
+                                    {"guided_grammar": "root ::= \"a\" ("},
+                                    {"response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "x", "schema": False}}}],
+                         ids=["regex", "json-schema", "grammar", "schema-false"])
 def test_a_constraint_the_grammar_engine_rejects_is_a_400(server, fields):
     r = post(server, "/v1/chat/completions", chat(**fields))
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"]
+    assert r.json()["error"]["param"].startswith(next(iter(fields))), r.json()  # the field the request used
     assert_serves(server)

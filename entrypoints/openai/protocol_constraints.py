@@ -184,6 +184,8 @@ def _response_format_constraint(rf: ResponseFormat) -> dict[str, Any]:
             raise ValueError("response_format.json_schema: required when type is 'json_schema'")
         if rf.json_schema.schema_ is None:  # OpenAI allows it; it means "any JSON object"
             return {"json_object": True}
+        if rf.json_schema.schema_ is False:
+            raise ValueError("response_format.json_schema.schema: the schema false allows no output")
         if rf.json_schema.strict and isinstance(rf.json_schema.schema_, dict):
             # OpenAI's {"schema", "strict"} object: the guided-decoding compiler closes every object
             return {"json": {"schema": rf.json_schema.schema_, "strict": True}}
