@@ -86,6 +86,14 @@ def test_bad_cap_values_are_refused_naming_the_field():
             GuidedDecodingParams(json={}, max_number_digits=bad)
 
 
+@pytest.mark.parametrize("bound", [{"minimum": 10**16}, {"exclusiveMinimum": 1e15}, {"maximum": -1e20}])
+def test_a_bound_past_the_cap_names_the_cap_not_a_bound_the_user_never_wrote(bound):
+    with pytest.raises(ValueError, match=r"^guided_json: a (minimum|maximum) of .* needs more than the 15 digits .*"
+                                         r"--guided-json-number-digits"):
+        grammar_source(GuidedDecodingParams(json={"type": "integer", **bound}, max_number_digits=15))
+    grammar_source(GuidedDecodingParams(json={"type": "integer", **bound}, max_number_digits=0))  # no cap: fine
+
+
 def test_the_server_default_is_fifteen_digits_and_written_once():
     assert EngineArgs().guided_json_number_digits == 15
 

@@ -98,6 +98,7 @@ def cap_numbers(schema: dict, digits: int) -> dict:
 
 class _NumberCap:
     def __init__(self, digits: int):
+        self.digits = digits
         self.limit = float(10 ** digits)
         self.step = float(f"1e-{min(digits, MAX_FRACTION_DIGITS)}")
         self.any_value_used = False
@@ -109,6 +110,10 @@ class _NumberCap:
             return node
         low = max([-self.limit] + [node[k] for k in ("minimum", "exclusiveMinimum") if _is_number(node.get(k))])
         high = min([self.limit] + [node[k] for k in ("maximum", "exclusiveMaximum") if _is_number(node.get(k))])
+        if low >= self.limit or high <= -self.limit:  # the schema asks for numbers longer than the cap
+            raise ValueError(f"a {'minimum' if low >= self.limit else 'maximum'} of {low if low >= self.limit else high} "
+                             f"needs more than the {self.digits} digits a number may have before its point "
+                             "(max_number_digits, the server's --guided-json-number-digits; 0: no cap)")
         if low == -self.limit:
             node["exclusiveMinimum"] = low
         if high == self.limit:
