@@ -26,7 +26,7 @@ class RequestLimits:
     max_n: int                      # choices per prompt
     max_sequences_per_request: int  # prompts x n of one request
     max_stop: int                   # entries of stop and of stop_token_ids, checked every token
-    max_tools: int = 128            # tool definitions, each templated and compiled into the constraint
+    max_tools: int                  # tool definitions, each templated and compiled into the constraint
     max_model_len: int | None = None  # the engine's context (set when the app is built): longer token-id prompts cannot run
 
     def check(self, body: dict) -> None:
