@@ -570,26 +570,3 @@ def test_a_draft_row_costs_what_the_steps_measure_and_every_request_of_the_batch
         speculator._batch, speculator.stats.backoffs = batch, 0
         speculator.record(_Request(), drafted=4, accepted=1)  # gains 1 - 0.2 x 4 x batch
         assert speculator.stats.backoffs == pauses
-
-
-def test_a_request_drafts_as_many_tokens_as_its_recent_acceptance_pays_for():
-    """k per request: all k while its drafts are accepted, one while they are rejected and rows are
-    dear; a run of accepted passes takes it back to k."""
-    from fastdeploy_lp.engine.speculation import Speculator, _Drafting
-    from fastdeploy_lp.speculative_config import SpeculativeConfig
-
-    speculator = Speculator(SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 6,
-                                                          "draft_row_cost": 0.1}), None, None, None)
-
-    class _Request:
-        admission = 1
-    state = speculator._requests[1] = _Drafting(blocked=False)
-    ks = []
-    for accepted in [0] * 8 + [6] * 8:  # a stretch of rejected drafts, then a copied stretch
-        k = speculator._draft_length(state)
-        ks.append(k)
-        speculator.record(_Request(), drafted=k, accepted=min(accepted, k))
-    assert ks[7] == 1 and ks[-1] == 6, ks
-    assert ks == sorted(ks[:8], reverse=True) + sorted(ks[8:]), ks  # shrinks, then grows back
-    speculator._batch = 8  # the same acceptance with every row paid by 8 requests: shorter
-    assert speculator._draft_length(state) < 6

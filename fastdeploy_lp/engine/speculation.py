@@ -76,7 +76,6 @@ FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps; a probe every 256 steps of k rejec
 STEP_WEIGHT = 0.25  # of a step's timing in the running averages of step time and draft-row cost
 PLAIN_STEP_EVERY = 16  # a step without drafts this often keeps the plain step's time measured
 MAX_DRAFT_ROW_COST = 0.5  # of a plain step, the most a measurement counts
-HIT_KEEP = 0.75  # each pass keeps this much of a request's earlier draft counts (its acceptance rate)
 
 
 @dataclass
@@ -85,8 +84,6 @@ class _Drafting:
     blocked: bool       # it enables a processor that cannot see draft positions
     gain: float = 1.0   # running average of accepted - draft_row_cost * drafted per pass; starts hopeful
     pause: int = 0      # length of its last pause, in steps
-    hits: float = 1.0   # decayed count of its drafts accepted ...
-    judged: float = 2.0  # ... and of those judged (accepted, plus the first rejected): starts at 1/2
     resume_at: int = 0  # the step from which it drafts again
 
 
@@ -128,7 +125,7 @@ class Speculator:
         self._batch = max(1, len(running))
         self._step += 1  # when the budget runs out, each request gets its turn to go first
         start = self._step % len(running) if running else 0
-        wanted = [(r, min(self._draft_length(self._requests[r.admission]), r.params.max_tokens - len(r.output_ids) - 1))
+        wanted = [(r, min(self.config.num_speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1))
                   for r in running[start:] + running[:start]] if budget > 0 else []
         # A draft gains at most one step of its request and costs draft_row_cost of a step for each
         # running request: at or past cost x batch = 1 no acceptance rate can pay for it.
@@ -160,8 +157,6 @@ class Speculator:
             return
         cost = self.draft_row_cost * drafted * self._batch
         state.gain += GAIN_WEIGHT * (accepted - cost - state.gain)
-        state.hits = HIT_KEEP * state.hits + accepted
-        state.judged = HIT_KEEP * state.judged + accepted + (accepted < drafted)
         if state.gain >= 0:
             state.pause //= 2
             return
@@ -185,20 +180,6 @@ class Speculator:
             measured = min(MAX_DRAFT_ROW_COST, max(0.0, seconds / plain - 1) / draft_rows)
             cost = self.draft_row_cost + STEP_WEIGHT * (measured - self.draft_row_cost)
             self.draft_row_cost = max(MIN_DRAFT_ROW_COST, cost)
-
-    def _draft_length(self, state: _Drafting) -> int:
-        """The k (up to `num_speculative_tokens`) that makes the most tokens per unit of step time,
-        taking each draft to be accepted, after the ones before it, at the request's recent rate p:
-        (1 + p + ... + p^k) tokens for (1 + k x draft_row_cost x batch) of a plain step. Long where
-        drafts are right or rows are cheap, one draft where they are rarely right and rows are dear."""
-        p, row = state.hits / state.judged, self.draft_row_cost * self._batch
-        best_k, best, tokens, term = 1, 0.0, 1.0, 1.0
-        for k in range(1, self.config.num_speculative_tokens + 1):
-            term *= p
-            tokens += term
-            if tokens / (1 + row * k) > best:
-                best_k, best = k, tokens / (1 + row * k)
-        return best_k
 
     def _may_draft(self, state: _Drafting) -> bool:
         paused = self._step < state.resume_at
