@@ -107,6 +107,8 @@ BAD_REQUESTS = [
     ("stream_options-without-stream", "/v1/chat/completions", chat(stream_options={"include_usage": True}), 400,
      "stream_options", ["stream"]),
     ("stop-wrong-type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", ["string"]),
+    ("user-content-null", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages[0].content", ["a user message needs content"]),  # as OpenAI; an assistant turn may omit it
     ("stop-empty-string", "/v1/chat/completions", chat(stop=["END", ""]), 400, "stop",
      ["must not contain an empty string"]),
     ("two-constraints", "/v1/chat/completions", chat(guided_regex="a+", guided_choice=["a", "b"]), 400,

@@ -50,10 +50,18 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _NESTED
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant turn's earlier tool calls.")
     tool_call_id: str | None = Field(None, description="The call a 'tool' message answers.")
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value, info):
+        """Only an assistant turn may leave it out (a turn that called tools); OpenAI refuses the rest."""
+        if value is None and info.data.get("role") not in (None, "assistant"):
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return value
 
     def for_template(self) -> dict[str, Any]:
         """The dict a chat template reads; text parts are joined into one string."""
