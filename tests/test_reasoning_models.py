@@ -110,6 +110,16 @@ def test_close_on_length_ends_the_thinking_in_time_for_the_answer_to_close(llm):
         jsonschema.validate(json.loads(answer), SCHEMA)
 
 
+def test_close_on_length_needs_room_for_the_end_tag_too(llm):
+    """With a reasoning parser the model may be thinking when the budget runs out (probe): a budget
+    that holds the shortest answer but not the end tag before it is refused up front."""
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES, open_thinking=True))
+    params = SamplingParams(max_tokens=17, guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
+    with pytest.raises(ValueError, match=r"max_tokens: .*\(11 tokens\) plus the reasoning end tag </think> "
+                                         r"\(7 tokens\); max_tokens is 17"):
+        llm.generate(prompt, params, use_tqdm=False)
+
+
 @pytest.fixture(scope="module")
 def client(thinking_model):
     server = start_server("--max-num-seqs", "4", "--reasoning-parser", "qwen3",

@@ -111,12 +111,15 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                 params.extra.setdefault(CLOSED_ON_LENGTH, set())
 
     def _check_room_to_close(self, params) -> None:
-        """A budget smaller than the shortest document the constraint allows could never be closed."""
+        """A budget smaller than the shortest document the constraint allows could never be closed
+        (with a reasoning parser, plus the end tag: the model may be thinking when the budget runs out)."""
         closing = self._search().closing(params.extra[COMPILED].new_matcher(), JsonSyntax())
-        if closing is None or (params.max_tokens is not None and len(closing) > params.max_tokens):
+        tag = len(self._end_ids) if self.reasoning is not None else 0
+        if closing is None or (params.max_tokens is not None and len(closing) + tag > params.max_tokens):
             need = "more than 256" if closing is None else str(len(closing))
+            also = f" plus the reasoning end tag {self.reasoning.end} ({tag} tokens)" if tag else ""
             raise ValueError(f"max_tokens: close_on_length needs room for the shortest output this JSON constraint "
-                             f"allows ({need} tokens); max_tokens is {params.max_tokens}")
+                             f"allows ({need} tokens){also}; max_tokens is {params.max_tokens}")
 
     def _search(self) -> ClosingSearch:
         if self._closing_search is None:  # built at the first request that closes on length
