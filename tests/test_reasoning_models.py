@@ -100,24 +100,34 @@ def test_close_on_length_ends_the_thinking_in_time_for_the_answer_to_close(llm):
     budget left is the tag plus the answer's shortest closing, and the answer parses."""
     end = llm.tokenizer.encode("</think>")
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES, open_thinking=True))
-    for max_tokens in (18, 30):  # the tag (7 tokens here) and the shortest answer (11) fit 18
+    for max_tokens in (24, 30):  # both tags (6 + 7 tokens here) and the shortest answer (11) fit 24
         params = SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, logit_bias={end[0]: -100},
                                 guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
         out = llm.generate(prompt, params, use_tqdm=False)[0].outputs
         reasoning, answer = PARSER.split(out.text, PARSER.prompt_state(llm.tokenizer.decode(prompt)))
         assert out.finish_reason == "length" and out.closed_on_length and len(out.token_ids) == max_tokens, out
-        assert "</think>" in out.text and (reasoning or max_tokens == 18)  # at 18 the tag is due at once
+        assert "</think>" in out.text and reasoning
         jsonschema.validate(json.loads(answer), SCHEMA)
 
 
-def test_close_on_length_needs_room_for_the_end_tag_too(llm):
-    """With a reasoning parser the model may be thinking when the budget runs out (probe): a budget
-    that holds the shortest answer but not the end tag before it is refused up front."""
-    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES, open_thinking=True))
-    params = SamplingParams(max_tokens=17, guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
-    with pytest.raises(ValueError, match=r"max_tokens: .*\(11 tokens\) plus the reasoning end tag </think> "
-                                         r"\(7 tokens\); max_tokens is 17"):
-        llm.generate(prompt, params, use_tqdm=False)
+@pytest.mark.parametrize("template", [{"open_thinking": True}, {}])
+def test_close_on_length_needs_room_for_the_reasoning_tags_too(llm, template):
+    """With a reasoning parser the model may open its thinking and be thinking when the budget runs
+    out (probe): a budget that holds the shortest answer but not both tags is refused up front, and
+    the smallest one accepted closes, whether the prompt opened thinking or left it to the model."""
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(MESSAGES, **template))
+    lt = llm.tokenizer.encode("<think>")[0]
+    refused = SamplingParams(max_tokens=23, guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
+    with pytest.raises(ValueError, match=r"max_tokens: .*\(11 tokens\) plus the reasoning tags <think> </think> "
+                                         r"\(13 tokens\); max_tokens is 23"):
+        llm.generate(prompt, refused, use_tqdm=False)
+    for seed in range(3):  # the model pushed to think
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=24, logit_bias={lt: 5.0},
+                                guided_decoding=GuidedDecodingParams(json=SCHEMA, close_on_length=True))
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+        _, answer = PARSER.split(out.text, PARSER.prompt_state(llm.tokenizer.decode(prompt)))
+        assert out.finish_reason == "stop" or out.closed_on_length, out
+        jsonschema.validate(json.loads(answer), SCHEMA)
 
 
 @pytest.fixture(scope="module")

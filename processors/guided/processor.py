@@ -112,12 +112,13 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
 
     def _check_room_to_close(self, params) -> None:
         """A budget smaller than the shortest document the constraint allows could never be closed
-        (with a reasoning parser, plus the end tag: the model may be thinking when the budget runs out)."""
+        (with a reasoning parser, plus both tags: the model may open its thinking at the first token,
+        and be thinking when the budget runs out)."""
         closing = self._search().closing(params.extra[COMPILED].new_matcher(), JsonSyntax())
-        tag = len(self._end_ids) if self.reasoning is not None else 0
-        if closing is None or (params.max_tokens is not None and len(closing) + tag > params.max_tokens):
+        tags = len(self._start_ids) + len(self._end_ids) if self.reasoning is not None else 0
+        if closing is None or (params.max_tokens is not None and len(closing) + tags > params.max_tokens):
             need = "more than 256" if closing is None else str(len(closing))
-            also = f" plus the reasoning end tag {self.reasoning.end} ({tag} tokens)" if tag else ""
+            also = f" plus the reasoning tags {self.reasoning.start} {self.reasoning.end} ({tags} tokens)" if tags else ""
             raise ValueError(f"max_tokens: close_on_length needs room for the shortest output this JSON constraint "
                              f"allows ({need} tokens){also}; max_tokens is {params.max_tokens}")
 
