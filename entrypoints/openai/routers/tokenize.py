@@ -1,14 +1,16 @@
-"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize on a worker
-thread as the chat path would (`serving_tokenize.py`; like vLLM, a count past max_model_len is
-answered, so a text of megabytes is counted in full, off the event loop), answer. They need the tokenizer only, so they
-answer while the engine is busy or draining too."""
+"""POST /tokenize and POST /detokenize (vLLM's paths, without /v1): parse, tokenize (or decode) as
+the chat path would (`serving_tokenize.py`), answer. Like vLLM's, a count past max_model_len is
+answered, so megabytes of text are counted in full: the work and its JSON run on a worker thread,
+off the event loop. They need the tokenizer only, so they answer while the engine is busy or
+draining too."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from fastdeploy_lp.entrypoints.openai.protocol import ErrorResponse
 from fastdeploy_lp.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
@@ -30,8 +32,7 @@ async def tokenize_prompt(request: Request):
     headers = ignored_fields_header(request, body)
     engine = state.async_engine.engine
     with value_errors_as_400():  # on a worker: counting an 8 MB text takes seconds, and may exceed the limit
-        out = await asyncio.to_thread(tokenize, engine.tokenizer, body, engine.fd_config.max_model_len)
-    return JSONResponse(out, headers=headers)
+        return await _answered_on_a_worker(headers, tokenize, engine.tokenizer, body, engine.fd_config.max_model_len)
 
 
 @router.post("/detokenize", openapi_extra=inline_body_doc(DetokenizeRequest), responses=_ERRORS)
@@ -41,5 +42,11 @@ async def detokenize_tokens(request: Request):
     request.app.state.chat.check_model(body.model)
     headers = ignored_fields_header(request, body)
     with value_errors_as_400():
-        out = detokenize(request.app.state.async_engine.engine.tokenizer, body)
-    return JSONResponse(out, headers=headers)
+        return await _answered_on_a_worker(headers, detokenize, request.app.state.async_engine.engine.tokenizer, body)
+
+
+async def _answered_on_a_worker(headers: dict[str, str], work, *args) -> Response:
+    """`work(*args)` and its JSON encoding off the event loop: millions of ids take a second to encode."""
+    def answer() -> bytes:
+        return json.dumps(work(*args), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return Response(await asyncio.to_thread(answer), media_type="application/json", headers=headers)
