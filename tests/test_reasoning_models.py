@@ -143,14 +143,16 @@ def test_server_returns_reasoning_content_apart_streamed_and_not(client):
                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
                   extra_body={"chat_template_kwargs": {"open_thinking": True},
                               "logits_processors_args": {"thinking_budget": 6}})
-    for seed in range(3):
+    for seed, budget in ((0, 6), (1, 6), (2, 6), (3, 0)):  # budget 0: an empty block, None both ways (probe)
+        kwargs["extra_body"]["logits_processors_args"]["thinking_budget"] = budget
         message = client.chat.completions.create(seed=seed, **kwargs).choices[0].message
-        assert message.reasoning_content is not None and "</think>" not in message.reasoning_content
+        assert (message.reasoning_content is None) == (budget == 0), message
+        assert "</think>" not in (message.reasoning_content or "")
         jsonschema.validate(json.loads(message.content), SCHEMA)
         chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
-        assert streamed_reasoning == message.reasoning_content
+        assert (streamed_reasoning or None) == message.reasoning_content
         assert "".join(d.content or "" for d in deltas) == message.content
 
 

@@ -133,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
             completion_tokens += len(o.token_ids)
             text, message = prefix + o.text, {"role": "assistant"}
             if thinking is not None:  # a reasoning parser is on: the answer is what follows the reasoning
-                message["reasoning_content"], text = self.reasoning.split(text, thinking)
+                reasoning, text = self.reasoning.split(text, thinking)
+                message["reasoning_content"] = reasoning or None  # as streamed: an empty block sends nothing
             content, tool_calls, finish = _split_tool_calls(text, o.finish_reason, parse)
             message["content"] = content
             if tool_calls:
