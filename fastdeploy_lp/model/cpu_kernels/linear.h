@@ -3,6 +3,18 @@
  * `fdlp_linear_FORMAT`) and GEMV_AHEAD (the GEMV's prefetch distance) defined, and SPLIT where
  * the format has a `split_FORMAT`. Weights are widened to float32 vectors as they are loaded; the
  * prefetch distance is in bytes, so every format keeps as many reads in flight. */
+/* The GEMVs' walk over weight rows [n0, n1), two at a time: row i with row i + half, so each of
+ * the two reads runs on through consecutive rows, two long sequential streams for the hardware
+ * prefetcher instead of a new pair of short ones per row pair (rows i and i + 1: one read restarted
+ * every pair). Bench model, 2 threads, Xeon AVX-512: bfloat16 21.3 -> 24.1 GB/s, int8 18.4 -> 22.5,
+ * float32 unchanged (its rows are long enough already). Opens the loop body: w0, w1 are the rows,
+ * y[r0] and, if `two`, y[r1] their outputs. */
+#define PAIRS_BEGIN                                                                         \
+    int64_t half = (n1 - n0 + 1) / 2;                                                       \
+    for (int64_t i = 0; i < half; i++) {                                                    \
+        int64_t r0 = n0 + i, r1 = n0 + half + i;                                            \
+        int two = r1 < n1;                                                                  \
+        const WEIGHT *w0 = w + r0 * k_len, *w1 = w + (two ? r1 : r0) * k_len;
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
 #define NAME(f) CONCAT(f, FORMAT)
@@ -61,9 +73,7 @@ static void NAME(vector_times)(const float *x, const WEIGHT *w, const float *sca
                                int64_t n0, int64_t n1) {
     enum { LINE = 64 / sizeof(WEIGHT), LINES = (4 * LANES * sizeof(WEIGHT) + 63) / 64 };
     int64_t k_quad = k_len - k_len % (4 * LANES), k_full = k_len - k_len % LANES, tail = k_len - k_full;
-    for (int64_t n = n0; n < n1; n += 2) {
-        int two = n + 1 < n1;
-        const WEIGHT *w0 = w + n * k_len, *w1 = w + (n + two) * k_len;
+    PAIRS_BEGIN
         vec a0[4] = {{0}}, a1[4] = {{0}};
         int64_t k = 0;
         for (; k < k_quad; k += 4 * LANES) {
@@ -87,8 +97,8 @@ static void NAME(vector_times)(const float *x, const WEIGHT *w, const float *sca
             a0[0] += NAME(load_w_tail)(w0 + k_full, tail) * xv;
             a1[0] += NAME(load_w_tail)(w1 + k_full, tail) * xv;
         }
-        y[n] = lane_sum(a0[0] + a0[1] + a0[2] + a0[3]) * (scale ? scale[n] : 1.f);
-        if (two) y[n + 1] = lane_sum(a1[0] + a1[1] + a1[2] + a1[3]) * (scale ? scale[n + 1] : 1.f);
+        y[r0] = lane_sum(a0[0] + a0[1] + a0[2] + a0[3]) * (scale ? scale[r0] : 1.f);
+        if (two) y[r1] = lane_sum(a1[0] + a1[1] + a1[2] + a1[3]) * (scale ? scale[r1] : 1.f);
     }
 }
 
@@ -121,9 +131,7 @@ static void NAME(split_vector_times)(const float *x, const float *xs, const WEIG
     enum { CHUNK = SPLIT * LANES, UNROLL = 4 / SPLIT };
     int64_t k_main = k_len - k_len % (UNROLL * CHUNK), k_split = k_len - k_len % CHUNK;
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
-    for (int64_t n = n0; n < n1; n += 2) {
-        int two = n + 1 < n1;
-        const WEIGHT *w0 = w + n * k_len, *w1 = w + (n + two) * k_len;
+    PAIRS_BEGIN
         vec a0[UNROLL * SPLIT] = {{0}}, a1[UNROLL * SPLIT] = {{0}};
         int64_t k = 0;
         /* Unrolled so that each accumulator's index is a constant: one indexed at run time lives
@@ -143,8 +151,8 @@ static void NAME(split_vector_times)(const float *x, const float *xs, const WEIG
         }
         vec s0 = a0[0], s1 = a1[0];
         for (int i = 1; i < UNROLL * SPLIT; i++) s0 += a0[i], s1 += a1[i];
-        y[n] = lane_sum(s0) * (scale ? scale[n] : 1.f);
-        if (two) y[n + 1] = lane_sum(s1) * (scale ? scale[n + 1] : 1.f);
+        y[r0] = lane_sum(s0) * (scale ? scale[r0] : 1.f);
+        if (two) y[r1] = lane_sum(s1) * (scale ? scale[r1] : 1.f);
     }
 }
 #endif
@@ -182,7 +190,8 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
 
 /* y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when bias is not NULL).
  * Each thread takes an equal share of the weight rows (a multiple of 6: whole pairs for the GEMV,
- * whole triples for rows_times), 48 rows at a time so they stay in L2 across x's row tiles. Blocks
+ * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
+ * rows at a time so they stay in L2 across x's row tiles. Blocks
  * of 48 dealt out whole gave one of two threads 480 of 896 rows and the call waited for it: the
  * bench model's o and down projections read 7% slower. */
 void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
@@ -198,7 +207,9 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
         int64_t parts = omp_get_num_threads(), share = (n_len + parts - 1) / parts;
         share += (6 - share % 6) % 6;
         int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
-        for (int64_t n0 = start; n0 < end; n0 += block)
+        if (m_len == 1 && start < end) /* a GEMV reads each row once: its whole share, in two long streams */
+            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, start, end);
+        for (int64_t n0 = start; m_len > 1 && n0 < end; n0 += block)
             NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, n0, n0 + block < end ? n0 + block : end);
     }
 }
