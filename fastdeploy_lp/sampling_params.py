@@ -183,16 +183,22 @@ def _token_biases(value) -> dict[int, float]:
         raise ValueError(f"logit_bias: must map token ids to numbers, got {value!r}")
     out = {}
     for key, bias in value.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit():
-            token = int(key)
-        elif _integer(key) and key >= 0:
-            token = key
-        else:
-            raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+        token = token_id_key(key, "logit_bias")
         if not (_finite(bias) and -100 <= bias <= 100):
             raise ValueError(f"logit_bias: bias for token {token} must be a number in [-100, 100], got {bias!r}")
         out[token] = float(bias)
     return out
+
+
+def token_id_key(key, field: str | None = None) -> int:
+    """A token id written as a JSON object key: an int, or a string of ASCII digits ("128"; not
+    "1_0" or "+5", which `int()` and pydantic would also read). Else a ValueError naming `field`
+    (pydantic models name it themselves)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    if _integer(key) and key >= 0:
+        return key
+    raise ValueError(f"{field + ': ' if field else ''}keys must be token ids (non-negative integers), got {key!r}")
 
 
 def _integer(x) -> bool:

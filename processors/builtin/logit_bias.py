@@ -25,6 +25,7 @@ from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, ShareIn
 from fastdeploy_lp.processors.batch_state import BatchTracker, RowEntries
 from fastdeploy_lp.processors.tensor_ops import add_at
 from fastdeploy_lp.processors.validation import check_token_ids
+from fastdeploy_lp.sampling_params import token_id_key
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -36,10 +37,9 @@ class LogitBiasArgs(BaseModel):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _keys_are_token_ids(cls, value):
-        """JSON keys are strings: only digits name a token (pydantic alone also reads "1_0" or "+5")."""
+        """As the top-level `logit_bias` reads them (pydantic alone also reads "1_0" or "+5")."""
         for key in value if isinstance(value, dict) else ():
-            if not (type(key) is int or isinstance(key, str) and key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            token_id_key(key)
         return value
 
     @field_validator("logit_bias")
