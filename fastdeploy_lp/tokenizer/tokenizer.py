@@ -22,6 +22,7 @@ _CODE_DEFINED_PRETOKENIZERS = {"qwen2": _QWEN2_SPLIT, "qwen3": _QWEN2_SPLIT}
 ENCODE_SLICE = 1 << 16  # characters encoded at a time when a prompt may be far over the limit
 SLACK_PER_CUT = 32  # tokens a cut between slices may add (a special token's text split in two)
 
+
 class Tokenizer:
     """`encode`/`decode` text, render chats, and expose the vocabulary as bytes (for grammars)."""
 
@@ -92,6 +93,9 @@ class Tokenizer:
         check_text(text, "prompt")
         if limit is not None and len(text) > max(ENCODE_SLICE, 8 * limit):  # a text that fits is encoded once
             self._check_within(text, limit)
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._encode_sentencepiece(text)
@@ -105,8 +109,7 @@ class Tokenizer:
         count = 0
         for cuts, start in enumerate(range(0, len(text), ENCODE_SLICE)):
             piece = text[start:start + ENCODE_SLICE]
-            count += len(self._hf.encode(piece, add_special_tokens=False).ids) if self._hf is not None else \
-                len(self._encode_sentencepiece(piece))
+            count += len(self._encode(piece, add_special_tokens=False))
             if count > limit + SLACK_PER_CUT * cuts:
                 raise ValueError(f"prompt: is longer than max_model_len={limit} tokens "
                                  f"(over {count - SLACK_PER_CUT * cuts} in its first {start + len(piece)} characters)")
