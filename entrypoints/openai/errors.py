@@ -52,13 +52,14 @@ def from_value_error(error: ValueError, renames: dict[str, str] | None = None) -
     field, sep, rest = message.partition(": ")
     if not sep or not _FIELD.match(field):
         return bad_request(message)
-    paths = [k for k in renames or () if "." in k and (field == k or field[len(k):len(k) + 1] in (".", "["))
-             and field.startswith(k)]
-    if paths:
-        field = renames[paths[0]] + field[len(paths[0]):]
+    renames = renames or {}
+    path = next((k for k in renames if "." in k and field.startswith(k) and field[len(k):len(k) + 1] in ("", ".", "[")),
+                None)
+    if path is not None:
+        field = renames[path] + field[len(path):]
     else:
         root, dot, tail = field.partition(".")
-        field = (renames or {}).get(root, root) + dot + tail
+        field = renames.get(root, root) + dot + tail
     return bad_request(f"{field}: {rest}", param=field)
 
 

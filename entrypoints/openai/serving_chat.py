@@ -33,7 +33,8 @@ from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAISer
                                                              engine_error_event, final_outputs, sse, usage,
                                                              value_errors_as_400)
 from fastdeploy_lp.processors.custom_backends import CustomBackend
-from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser, parse_tool_calls, tool_call_constraint
+from fastdeploy_lp.processors.guided.tool_calls import (ToolCallParser, parameters_paths, parse_tool_calls,
+                                                       tool_call_constraint)
 from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
@@ -91,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
                                       req.whitespace_field())
         renames.update({"prompt": "messages", "max_tokens": max_field})
         if tool_guided is not None:  # the constraint's tags are the tools, in order: errors name the tool
-            renames.update(_tool_schema_renames(req))
+            renames.update(parameters_paths(req.tools_for_template(), req.tool_choice_value()))
         stream = await self.submit(prompt_ids, params, renames=renames)
         thinking = self.reasoning.prompt_state(prompt_text) if self.reasoning is not None else None
         reader = None
@@ -279,20 +280,6 @@ def _tool_deltas(events: list[tuple]) -> list[dict]:
         elif kind == "arguments":
             deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
     return deltas
-
-
-def _tool_schema_renames(req: ChatCompletionRequest) -> dict[str, str]:
-    """Where a tool's parameters sit in the tool-call constraint (`tool_calls.tool_call_constraint`:
-    one tag per tool, or the named tool's alone) → the request's `tools[i].function.parameters`."""
-    renames = {f"structural_tag.format.tags[{i}].content.json_schema": f"tools[{i}].function.parameters"
-               for i in range(len(req.tools or ()))}
-    choice = req.tool_choice_value()
-    if isinstance(choice, dict):
-        named = (choice.get("function") or {}).get("name", choice.get("name"))
-        index = next((i for i, t in enumerate(req.tools) if t.function.name == named), None)
-        if index is not None:
-            renames["structural_tag.format.content.json_schema"] = f"tools[{index}].function.parameters"
-    return renames
 
 
 def _call_id() -> str:

@@ -441,6 +441,21 @@ def _functions(tools: list) -> dict[str, dict]:
     return out
 
 
+def parameters_paths(tools: list, tool_choice: Any) -> dict[str, str]:
+    """Where each tool's parameters schema sits in `tool_call_constraint`'s structural tag (one tag
+    per tool, in order; a named choice's tag alone) → the request's `tools[i].function.parameters`,
+    so a schema the grammar engine refuses is blamed on the tool that holds it. Call after
+    `tool_call_constraint` accepted the same arguments."""
+    paths = {f"structural_tag.format.tags[{i}].content.json_schema": f"tools[{i}].function.parameters"
+             for i in range(len(tools or ()))}
+    choice = _plain(tool_choice)
+    if isinstance(choice, dict):
+        names = list(_functions(tools))
+        paths["structural_tag.format.content.json_schema"] = \
+            f"tools[{names.index(_named_choice(choice))}].function.parameters"
+    return paths
+
+
 def _named_choice(choice: dict) -> str:
     fn = _plain(choice.get("function"))
     if choice.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
