@@ -155,8 +155,8 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
         history = self._history.ids[slot, : self._history.lengths[slot]]
         prompt_len = int(share_inputs["prompt_lens"][slot])
         opens, closes = marker_ends(history, self._open.tolist()), marker_ends(history, self._close.tolist())
-        in_prompt = lambda ends: int(ends[ends <= prompt_len][-1]) if (ends <= prompt_len).any() else -1
-        prompt_opened, prompt_closed = in_prompt(opens), in_prompt(closes)
+        prompt_opened, prompt_closed = (int(e[-1]) if len(e) else -1 for e in
+                                        (opens[opens <= prompt_len], closes[closes <= prompt_len]))
         output_opens = opens[opens > prompt_len]
         self._closed[slot] = prompt_closed > prompt_opened or (closes > prompt_len).any()
         if prompt_opened > prompt_closed:

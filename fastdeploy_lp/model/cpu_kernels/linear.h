@@ -191,9 +191,9 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
 /* y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when bias is not NULL).
  * Each thread takes an equal share of the weight rows (a multiple of 6: whole pairs for the GEMV,
  * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
- * rows at a time so they stay in L2 across x's row tiles. Blocks
- * of 48 dealt out whole gave one of two threads 480 of 896 rows and the call waited for it: the
- * bench model's o and down projections read 7% slower. */
+ * rows at a time so they stay in L2 across x's row tiles. Blocks of 48 dealt out whole gave one of
+ * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
+ * read 7% slower. */
 void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                        int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
     const int64_t block = 48;
