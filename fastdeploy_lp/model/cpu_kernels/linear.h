@@ -30,10 +30,16 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
                                                                    int64_t ldy) {
     enum { WR = WEIGHT_ROWS, AHEAD = 8192 / sizeof(WEIGHT), LINE = 64 / sizeof(WEIGHT) };
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
-    for (int64_t n = n0; n < n1; n += WR) {
-        int r_len = n1 - n < WR ? (int)(n1 - n) : WR;
+    int64_t stride = (n1 - n0 + WR - 1) / WR; /* row r of a pass is stride rows after row r - 1: long streams */
+    for (int64_t i = 0; i < stride; i++) {
+        int64_t at[WR];
+        int valid[WR];
         const WEIGHT *wr[WR];
-        for (int r = 0; r < WR; r++) wr[r] = w + (n + (r < r_len ? r : 0)) * k_len;
+        for (int r = 0; r < WR; r++) {
+            at[r] = n0 + i + r * stride;
+            valid[r] = at[r] < n1;
+            wr[r] = w + (valid[r] ? at[r] : at[0]) * k_len;
+        }
         vec a[WR][X_ROWS];
         for (int r = 0; r < WR; r++)
             for (int m = 0; m < rows; m++) a[r][m] = (vec){0};
@@ -57,7 +63,8 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
             }
         }
         for (int m = 0; m < rows; m++)
-            for (int r = 0; r < r_len; r++) y[m * ldy + n + r] = lane_sum(a[r][m]) * (scale ? scale[n + r] : 1.f);
+            for (int r = 0; r < WR; r++)
+                if (valid[r]) y[m * ldy + at[r]] = lane_sum(a[r][m]) * (scale ? scale[at[r]] : 1.f);
     }
 }
 
@@ -207,9 +214,9 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
         int64_t parts = omp_get_num_threads(), share = (n_len + parts - 1) / parts;
         share += (6 - share % 6) % 6;
         int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
-        if (m_len == 1 && start < end) /* a GEMV reads each row once: its whole share, in two long streams */
+        if (m_len <= X_ROWS && start < end) /* one tile of x reads each row once: the whole share, in long streams */
             NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, start, end);
-        for (int64_t n0 = start; m_len > 1 && n0 < end; n0 += block)
+        for (int64_t n0 = start; m_len > X_ROWS && n0 < end; n0 += block)
             NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, n0, n0 + block < end ? n0 + block : end);
     }
 }
