@@ -95,16 +95,22 @@ def test_linear_reads_a_row_slice_where_it_starts(kernels):
     np.testing.assert_allclose(kernels.linear(x[2:5], w).numpy(), (x[2:5] @ w.T).numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_argmax_takes_the_first_largest_and_skips_nan(kernels):
-    x = paddle.randn([5, 151936])
+@pytest.mark.parametrize("rows", [1, 6])  # one row is split between the threads
+def test_argmax_takes_the_first_largest_and_flags_rows_nothing_can_be_drawn_from(kernels, rows):
+    x = paddle.randn([6, 151936])
     x[1] = float("-inf")
-    x[2, 7], x[2, 9000] = 1e9, 1e9              # a tie: the first one
-    x[3, 0], x[3, 5] = float("nan"), 1e9        # NaN is never the largest
+    x[2, 7], x[2, 9000], x[2, 140000] = 1e9, 1e9, 1e9  # ties, in both halves of the row: the first
+    x[3, 0], x[3, 5] = float("nan"), 1e9          # NaN is never the largest
     x[4, 150000] = float("inf")
-    got = kernels.argmax(x).numpy()
-    want = paddle.argmax(x, axis=-1).numpy()
-    np.testing.assert_array_equal(got[[0, 2, 4]], want[[0, 2, 4]])
-    assert got[1] == 0 and got[2] == 7 and got[3] == 5 and got[4] == 150000
+    x[5] = 3e38                                   # finite, though their sum is not: usable
+    x[5, 151935] = float("-inf")
+    got, unusable = (t.numpy() for t in kernels.argmax(x[:rows] if rows == 6 else x[2:3]))
+    if rows == 1:
+        assert got.tolist() == [7] and unusable.tolist() == [False]
+        return
+    assert got[0] == paddle.argmax(x[0]).item() and got[1] == 0 and got[2] == 7 and got[3] == 5
+    assert got[4] == 150000 and got[5] == 0
+    assert unusable.tolist() == [False, True, False, True, True, False]
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (13, 151), (64, 4864)])

@@ -199,10 +199,13 @@ class Sampler:
         logits = rows.logits
         on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
         kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
-        argmax = paddle.argmax(logits, axis=-1) if kernels is None else kernels.argmax(logits)
-        if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
-            self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
-        unusable = _unusable_rows(logits, argmax, self._ones)
+        if kernels is not None:
+            argmax, unusable = kernels.argmax(logits)
+        else:
+            argmax = paddle.argmax(logits, axis=-1)
+            if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
+                self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
+            unusable = _unusable_rows(logits, argmax, self._ones)
         logprobs = self._logprobs(logits, rows.requests)
         tokens = argmax
         if rows.probs is not None:

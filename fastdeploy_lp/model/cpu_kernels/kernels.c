@@ -208,16 +208,68 @@ double fdlp_read_sum(const float *x, int64_t n, int threads) {
     return total;
 }
 
-/* out[r] = the first index of row r's largest value (NaN skipped; 0 for a row of -inf or NaN). */
-void fdlp_argmax(const float *x, int64_t *out, int64_t rows, int64_t cols, int threads) {
+/* The first index of the largest value of row[c0, c1) (NaN never the largest; c0 if none is
+ * above -inf), the value, and whether the range holds a NaN or a +inf. */
+typedef struct {
+    float top;
+    int64_t at;
+    int bad;
+} argmax_t;
+
+static argmax_t argmax_range(const float *row, int64_t c0, int64_t c1) {
+    vec best = (vec){0} - INFINITY;
+    ivec lane, best_at, bad = {0};
+    for (int i = 0; i < LANES; i++) lane[i] = i;
+    best_at = lane + (int32_t)c0; /* ids fit int32: vocabularies are far below 2^31 */
+    int64_t c = c0;
+    for (; c + LANES <= c1; c += LANES) {
+        vec v = load(row + c);
+        ivec above = v > best;
+        best = blend(above, v, best);
+        best_at = (above & (lane + (int32_t)c)) | (~above & best_at);
+        bad |= (v != v) | (v == INFINITY);
+    }
+    argmax_t out = {-INFINITY, c0, 0};
+    for (int i = 0; i < LANES; i++) { /* the lanes' winners: the largest, then the first */
+        if (best[i] > out.top || (best[i] == out.top && best_at[i] < out.at)) out.top = best[i], out.at = best_at[i];
+        out.bad |= bad[i] != 0;
+    }
+    for (; c < c1; c++) {
+        if (row[c] > out.top) out.top = row[c], out.at = c;
+        out.bad |= isnan(row[c]) || row[c] == INFINITY;
+    }
+    return out;
+}
+
+/* out[r] = the first index of row r's largest value (NaN never the largest; 0 for a row of -inf or
+ * NaN), and unusable[r] = 1 if nothing can be drawn from the row: a NaN or a +inf in it, or -inf
+ * throughout. The greedy draw and its check in one read of the logits; with fewer rows than
+ * threads, each row is split into column ranges. */
+void fdlp_argmax(const float *x, int64_t *out, uint8_t *unusable, int64_t rows, int64_t cols, int threads) {
+    const int64_t min_range = 8192;
+    int64_t parts = rows >= threads ? 1 : threads / rows;
+    if (parts > 1 && cols / parts < min_range) parts = cols / min_range > 1 ? cols / min_range : 1;
+    argmax_t partial[parts > 1 ? rows * parts : 1];
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * cols;
-        float top = -INFINITY;
-        int64_t at = 0;
-        for (int64_t c = 0; c < cols; c++)
-            if (row[c] > top) top = row[c], at = c;
-        out[r] = at;
+    for (int64_t task = 0; task < rows * parts; task++) {
+        int64_t r = task / parts, p = task % parts;
+        argmax_t best = argmax_range(x + r * cols, p * cols / parts, (p + 1) * cols / parts);
+        if (parts > 1) {
+            partial[task] = best;
+        } else {
+            out[r] = best.at;
+            unusable[r] = best.bad || best.top == -INFINITY;
+        }
+    }
+    for (int64_t r = 0; parts > 1 && r < rows; r++) {
+        argmax_t best = partial[r * parts];
+        for (int64_t p = 1; p < parts; p++) { /* ranges in order: a later one wins only if larger */
+            argmax_t next = partial[r * parts + p];
+            if (next.top > best.top) best.top = next.top, best.at = next.at;
+            best.bad |= next.bad;
+        }
+        out[r] = best.at;
+        unusable[r] = best.bad || best.top == -INFINITY;
     }
 }
 
