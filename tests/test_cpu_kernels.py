@@ -62,17 +62,33 @@ def test_linear_with_half_and_int8_weights_matches_their_float32_values(kernels,
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
 
 
+def _narrow_weight(dtype: str, seed: int) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """A [37, 131] weight in `dtype`, with a per-row scale for int8 (else None)."""
+    rng = np.random.default_rng(seed)
+    if dtype != "int8":
+        return paddle.to_tensor(rng.standard_normal((37, 131), dtype=np.float32)).astype(dtype), None
+    return (paddle.to_tensor(rng.integers(-127, 128, (37, 131), dtype=np.int8)),
+            paddle.to_tensor(rng.uniform(0.001, 0.02, 37).astype(np.float32)))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
 def test_widen_gives_the_float32_values_of_a_weight(kernels, dtype):
-    rng = np.random.default_rng(7)
-    scale = None
-    if dtype == "int8":
-        w = paddle.to_tensor(rng.integers(-127, 128, (37, 131), dtype=np.int8))
-        scale = paddle.to_tensor(rng.uniform(0.001, 0.02, 37).astype(np.float32))
-    else:
-        w = paddle.to_tensor(rng.standard_normal((37, 131), dtype=np.float32)).astype(dtype)
+    w, scale = _narrow_weight(dtype, seed=7)
     want = w.astype("float32") * (1 if scale is None else scale.unsqueeze(1))
     np.testing.assert_array_equal(kernels.widen(w, scale).numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+def test_embed_widens_the_rows_it_looks_up_and_refuses_ids_outside_them(kernels, dtype):
+    w, scale = _narrow_weight(dtype, seed=8)
+    ids = paddle.to_tensor([5, 0, 36, 5], dtype="int64")
+    want = paddle.nn.functional.embedding(ids, w).astype("float32")
+    if scale is not None:
+        want = want * paddle.nn.functional.embedding(ids, scale.unsqueeze(-1))
+    np.testing.assert_array_equal(kernels.embed(ids, w, scale).numpy(), want.numpy())
+    for bad in (37, -1):
+        with pytest.raises(IndexError, match="outside the embedding's 37 rows"):
+            kernels.embed(paddle.to_tensor([3, bad], dtype="int64"), w, scale)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

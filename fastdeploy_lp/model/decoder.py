@@ -13,6 +13,7 @@ from paddle import nn
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layers
 from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear, linear_weight
 
@@ -42,6 +43,10 @@ class TokenEmbedding(nn.Layer):
         self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True)
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        narrow = self.weight.dtype in (paddle.bfloat16, paddle.float16, paddle.int8) and self.weight.place.is_cpu_place()
+        kernels = cpu_kernels.for_op("widen", input_ids.shape[0]) if narrow and input_ids.ndim == 1 else None
+        if kernels is not None:  # one call, where the ops below are up to four
+            return kernels.embed(input_ids, self.weight, self.weight_scale)
         x = F.embedding(input_ids, self.weight)
         if self.weight_scale is None:
             return x
@@ -94,7 +99,7 @@ class DecoderForCausalLM(nn.Layer):
         # call is decided once per pass.
         fused = None if kv_caches is None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
         if fused is not None:
-            return self.norm(run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches))
+            return run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches, self.norm)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
@@ -106,7 +111,7 @@ class DecoderForCausalLM(nn.Layer):
         out = out if out.is_contiguous() else out.contiguous()
         if self.shard is not None:  # each rank scored its rows of the vocabulary
             out = self.shard.all_gather(out, axis=-1)
-        return out.astype("float32")
+        return out if out.dtype == paddle.float32 else out.astype("float32")  # a cast to float32 copies
 
     def full_logits(self, input_ids: list[int]) -> paddle.Tensor:
         """Logits at every position of one sequence, without a cache: [len, vocab] float32."""

@@ -164,7 +164,9 @@ class ModelRunner:
         rows = [last[i] - f.num_logits + 1 + j for i, f in enumerate(feeds) if f.logits for j in range(f.num_logits)]
         if not rows:
             return paddle.zeros([0, self.model.config.vocab_size], dtype="float32")
-        return self.model.logits(paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64")))
+        if rows != list(range(len(ids))):  # else every row, in order (a plain decode step): no copy
+            hidden = paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64"))
+        return self.model.logits(hidden)
 
     def on_failure(self, callback) -> None:
         """`callback(message)` runs if the runner can no longer run passes; one process never gets there."""

@@ -157,6 +157,7 @@ class LayerStack:
 
     tensors: list  # what the pointers point into, kept alive with them
     norms: ctypes.Array        # 2 per layer
+    final_norm: int            # the model's norm after the last layer
     linears: ctypes.Array      # 4 per layer: q/k/v, o, gate/up, down
     caches: ctypes.Array       # 2 per layer: keys, values
     layers: int
@@ -166,12 +167,14 @@ class LayerStack:
     eps: float
 
     @classmethod
-    def of(cls, norms: list[tuple], linears: list[tuple], caches: list[tuple], inter: int, eps: float) -> "LayerStack":
+    def of(cls, norms: list[tuple], linears: list[tuple], caches: list[tuple], final_norm: paddle.Tensor, inter: int,
+           eps: float) -> "LayerStack":
         """`norms` (norm1, norm2 weights), `linears` (4 (weight, scale, bias) each) and `caches`
-        (keys, values) per layer, all layers alike; `inter` the MLP width."""
+        (keys, values) per layer, all layers alike; the `final_norm` weight; `inter` the MLP width."""
         flat = [t for layer in linears for lin in layer for t in lin]
-        return cls(tensors=[*flat, *(t for pair in norms + caches for t in pair)],
+        return cls(tensors=[*flat, *(t for pair in norms + caches for t in pair), final_norm],
                    norms=(ctypes.c_void_p * (2 * len(norms)))(*(w.data_ptr() for pair in norms for w in pair)),
+                   final_norm=final_norm.data_ptr(),
                    linears=(_Linear * (4 * len(linears)))(*(_Linear(*map(_ptr, lin)) for layer in linears for lin in layer)),
                    caches=(ctypes.c_void_p * (2 * len(caches)))(*(c.data_ptr() for pair in caches for c in pair)),
                    layers=len(linears), hidden=norms[0][0].shape[0], inter=inter,
@@ -211,6 +214,11 @@ class CpuKernels:
         for fn in self._widens.values():
             fn.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
             fn.restype = None
+        self._embeds = {dtype: getattr(library, f"fdlp_embed_{name}") for dtype, name in
+                        ((paddle.bfloat16, "bf16"), (paddle.float16, "f16"), (paddle.int8, "i8"))}
+        for fn in self._embeds.values():
+            fn.argtypes = [ptr] * 4 + [i64] * 3
+            fn.restype = i64
         self._attention = library.fdlp_paged_attention
         self._attention.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, c_int]
         self._swiglu = library.fdlp_swiglu
@@ -222,13 +230,13 @@ class CpuKernels:
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
         self._layers = library.fdlp_decoder_layers
-        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [c_int, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
+        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [c_int, ptr, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
         for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._layers):
             fn.restype = None
 
     def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention) -> paddle.Tensor:
         """Every layer of `stack` over the `[T, hidden]` tokens `x` of one sequence group (layer.h),
-        with the pass's `attention` inputs. Returns the last layer's output."""
+        with the pass's `attention` inputs. Returns the last layer's output through the final norm."""
         x = x if x.is_contiguous() else x.contiguous()
         rows, hidden = x.shape
         at = attention
@@ -240,7 +248,7 @@ class CpuKernels:
                                       at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
                                       at.tables.shape[1], at.max_len, at.scale)
         self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
-                     stack.format, stack.norms, stack.eps, stack.linears, stack.caches, ctypes.byref(attention_struct),
+                     stack.format, stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches, ctypes.byref(attention_struct),
                      work.data_ptr(), _threads)
         return out
 
@@ -265,6 +273,17 @@ class CpuKernels:
             out = self._scratch[tuple(weight.shape)] = paddle.empty(weight.shape, dtype="float32")
         self._widens[weight.dtype](weight.data_ptr(), None if scale is None else scale.data_ptr(), out.data_ptr(),
                                    weight.shape[0], weight.shape[1], _threads)
+        return out
+
+    def embed(self, ids: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor | None = None) -> paddle.Tensor:
+        """`weight[ids]` as float32 `[len(ids), hidden]` (times `scale[ids]` for int8) for a bfloat16,
+        float16 or int8 embedding `[vocab, hidden]` and int64 `ids` `[T]`."""
+        ids = ids if ids.is_contiguous() else ids.contiguous()
+        out = paddle.empty([ids.shape[0], weight.shape[1]], dtype="float32")
+        outside = self._embeds[weight.dtype](ids.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+                                             out.data_ptr(), ids.shape[0], weight.shape[0], weight.shape[1])
+        if outside:
+            raise IndexError(f"{outside} token id(s) outside the embedding's {weight.shape[0]} rows")
         return out
 
     def quantize_rows(self, weight: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:

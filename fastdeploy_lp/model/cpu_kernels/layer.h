@@ -78,12 +78,14 @@ static void decoder_layer(const float *x, float *out, int64_t rows, int64_t hidd
 }
 
 /* The `layers` decoder layers in order, from x to out (both [rows, hidden]; `spare` too, the other
- * buffer they alternate with). Layer i has the norms norms[2i], norms[2i + 1], the linears
- * linears[4i .. 4i + 3] (q/k/v, o, gate/up, down) and the cache caches[2i] (keys), caches[2i + 1]
- * (values); `at` is the attention inputs every layer shares, its caches aside. */
+ * buffer they alternate with), then the model's norm after them (weight `final_norm`, same eps).
+ * Layer i has the norms norms[2i], norms[2i + 1], the linears linears[4i .. 4i + 3] (q/k/v, o,
+ * gate/up, down) and the cache caches[2i] (keys), caches[2i + 1] (values); `at` is the attention
+ * inputs every layer shares, its caches aside. */
 void fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers, int64_t rows, int64_t hidden,
-                         int64_t inter, int format, const float *const *norms, float eps, const fdlp_linear_t *linears,
-                         float *const *caches, const fdlp_attention_t *at, float *work, int threads) {
+                         int64_t inter, int format, const float *const *norms, const float *final_norm, float eps,
+                         const fdlp_linear_t *linears, float *const *caches, const fdlp_attention_t *at, float *work,
+                         int threads) {
     fdlp_attention_t layer_at = *at;
     const float *in = x;
     for (int64_t i = 0; i < layers; i++) {
@@ -95,4 +97,5 @@ void fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layer
                       &layer_at, work, threads);
         in = dst;
     }
+    rms_norm(out, final_norm, out, rows, hidden, eps); /* in place: each row's sum is taken first */
 }

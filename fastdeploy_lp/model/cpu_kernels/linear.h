@@ -222,21 +222,39 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
 }
 
 
+/* out[0, k_len) = row as float32, times s. */
+static void NAME(widen_row)(const WEIGHT *row, float s, float *out, int64_t k_len) {
+    int64_t k_full = k_len - k_len % LANES;
+    for (int64_t k = 0; k < k_full; k += LANES) *(vec *)(out + k) = NAME(load_w)(row + k) * s;
+    if (k_full < k_len) {
+        vec tail = NAME(load_w_tail)(row + k_full, k_len - k_full) * s;
+        memcpy(out + k_full, &tail, (size_t)(k_len - k_full) * sizeof(float));
+    }
+}
+
 /* out[n, :] = w[n, :] as float32 (times scale[n] when scale is not NULL): a weight widened for
  * MKL's GEMM on many rows (prefill), one layer at a time. Paddle's CPU casts ran at ~50M elements/s. */
 void NAME(fdlp_widen)(const WEIGHT *w, const float *scale, float *out, int64_t n_len, int64_t k_len, int threads) {
-    int64_t k_full = k_len - k_len % LANES;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < n_len; n++) {
-        const WEIGHT *row = w + n * k_len;
-        float *o = out + n * k_len;
-        vec s = (vec){0} + (scale ? scale[n] : 1.f);
-        for (int64_t k = 0; k < k_full; k += LANES) *(vec *)(o + k) = NAME(load_w)(row + k) * s;
-        if (k_full < k_len) {
-            vec tail = NAME(load_w_tail)(row + k_full, k_len - k_full) * s;
-            memcpy(o + k_full, &tail, (size_t)(k_len - k_full) * sizeof(float));
+    for (int64_t n = 0; n < n_len; n++) NAME(widen_row)(w + n * k_len, scale ? scale[n] : 1.f, out + n * k_len, k_len);
+}
+
+/* out[r, :] = w[ids[r], :] as float32 (times scale[ids[r]] when scale is not NULL): an embedding
+ * lookup, widening only the rows it reads, in one call where Paddle's took four ops (0.2 ms of a
+ * batch-1 decode step). An id outside [0, n_len) gets zeros; returns how many there were. */
+int64_t NAME(fdlp_embed)(const int64_t *ids, const WEIGHT *w, const float *scale, float *out, int64_t rows,
+                         int64_t n_len, int64_t k_len) {
+    int64_t outside = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t id = ids[r];
+        if (id < 0 || id >= n_len) {
+            memset(out + r * k_len, 0, (size_t)k_len * sizeof(float));
+            outside++;
+        } else {
+            NAME(widen_row)(w + id * k_len, scale ? scale[id] : 1.f, out + r * k_len, k_len);
         }
     }
+    return outside;
 }
 
 #ifdef QUANTIZE
