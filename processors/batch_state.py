@@ -29,11 +29,16 @@ class BatchTracker:
     def __init__(self) -> None:
         self._slots = _EMPTY          # the active slots at the previous call, in row order
         self._admissions = _EMPTY     # ... and their admission ids
+        self._unchanged: BatchUpdate | None = None  # the update that says nothing changed since then
 
     def update(self, share_inputs: ShareInputs) -> BatchUpdate:
         slots = active_slots(share_inputs)
         admissions = np.asarray(share_inputs["admission_ids"], dtype=np.int64)[slots]
         num_slots = max(len(share_inputs["stop_flags"]), int(self._slots.max(initial=-1)) + 1)
+        same = self._unchanged
+        if (same is not None and len(same.row_of_slot) == num_slots and np.array_equal(slots, self._slots)
+                and np.array_equal(admissions, self._admissions)):
+            return same  # most steps: the comparison below costs a batch-1 step ~0.05 ms per processor
         before = np.full(num_slots, -1, dtype=np.int64)
         before[self._slots] = np.arange(len(self._slots))
         previous_rows = before[slots]
@@ -53,6 +58,8 @@ class BatchTracker:
             moved=tuple((int(previous_rows[row]), int(row)) for row in moved),
             previous_rows=previous_rows, row_of_slot=row_of_slot)
         self._slots, self._admissions = slots, admissions
+        self._unchanged = BatchUpdate(slots=slots, added=(), removed=(), moved=(),
+                                      previous_rows=np.arange(len(slots), dtype=np.int64), row_of_slot=row_of_slot)
         return update
 
 

@@ -117,7 +117,8 @@ class Sampler:
         """The repetition, frequency and presence penalties of each row's request (float32 logits);
         a draft position's row counts the drafts before it as output."""
         self.flush_counts()
-        rows.logits = self._apply_penalties(rows.logits.astype("float32"), rows.requests, rows.draft_history())
+        logits = rows.logits if rows.logits.dtype == paddle.float32 else rows.logits.astype("float32")
+        rows.logits = self._apply_penalties(logits, rows.requests, rows.draft_history())
 
     def _apply_penalties(self, logits, requests, drafts=(np.zeros(0, np.int64), np.zeros(0, np.int64))):
         rows = [i for i, r in enumerate(requests) if _uses_penalties(r)]
@@ -152,7 +153,8 @@ class Sampler:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             ban_rows += [i] * len(banned)
             ban_cols += sorted(banned)
-        rows.logits = fill_at(rows.logits.astype("float32"), ban_rows, ban_cols)
+        if ban_rows:  # on a copy (astype copies): a retry row by row starts again from this stage's input
+            rows.logits = fill_at(rows.logits.astype("float32"), ban_rows, ban_cols)
 
     @staticmethod
     def temperature(rows: StepRows) -> None:
@@ -200,22 +202,21 @@ class Sampler:
         on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
         kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
         if kernels is not None:
-            argmax, unusable = kernels.argmax(logits)
+            tokens, unusable = kernels.argmax(logits)
         else:
             argmax = paddle.argmax(logits, axis=-1)
             if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
                 self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
-            unusable = _unusable_rows(logits, argmax, self._ones)
+            tokens, unusable = argmax.numpy().astype(np.int64), _unusable_rows(logits, argmax, self._ones).numpy()
         logprobs = self._logprobs(logits, rows.requests)
-        tokens = argmax
         if rows.probs is not None:
             uniforms = seeded_uniforms(np.array([r.seed for r in rows.requests], dtype=np.uint64),
                                        rows.positions.astype(np.uint64), _noise_count(logits.shape[-1]))
-            drawn = self._two_level_gumbel_max(rows.probs, paddle.to_tensor(uniforms))
-            tokens = paddle.where(paddle.to_tensor(rows.greedy), argmax, drawn)
-        rows.tokens = tokens.numpy().astype(np.int64)
+            drawn = self._two_level_gumbel_max(rows.probs, paddle.to_tensor(uniforms)).numpy()
+            tokens = np.where(rows.greedy, tokens, drawn).astype(np.int64)
+        rows.tokens = tokens
         rows.logprobs = self._pick_logprobs(logprobs, rows.tokens, rows.requests)
-        for i in np.flatnonzero(unusable.numpy()):
+        for i in np.flatnonzero(unusable):
             rows.fail(int(i), UNUSABLE)
 
     @staticmethod
