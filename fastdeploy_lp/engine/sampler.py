@@ -36,12 +36,14 @@ from fastdeploy_lp.processors.tensor_ops import add_at, fill_at
 
 
 def _unusable_rows(logits: paddle.Tensor, argmax: paddle.Tensor, ones: paddle.Tensor) -> paddle.Tensor:
-    """[rows] bool: rows with a NaN or +inf, or with every logit at -inf.
+    """[rows] bool: rows with a NaN or +inf, or with every logit at -inf, in Paddle's ops (where
+    the CPU argmax kernel, which checks exactly in the same read, does not run).
 
-    One product instead of an elementwise check: a row's sum is NaN or +inf exactly when it holds a
-    NaN or a +inf (with -inf elsewhere it is NaN or stays -inf), and the sum is taken as a GEMV
-    against ones, which uses every core (Paddle's CPU `sum` took 10 ms for 32 x 151,936); the value
-    at the argmax the sampler computes anyway is -inf when every entry is. `ones` is [vocab, 1]."""
+    One product instead of an elementwise check: a row's sum is NaN or +inf when it holds a NaN or
+    a +inf (with -inf elsewhere it is NaN or stays -inf), and also, falsely, when finite logits sum
+    past float32's range; the sum is taken as a GEMV against ones, which uses every core (Paddle's
+    CPU `sum` took 10 ms for 32 x 151,936); the value at the argmax the sampler computes anyway is
+    -inf when every entry is. `ones` is [vocab, 1]."""
     total = paddle.matmul(logits, ones).squeeze(1)
     top = paddle.take_along_axis(logits, argmax.unsqueeze(1), axis=1).squeeze(1)
     return paddle.logical_or(paddle.logical_or(paddle.isnan(total), total == float("inf")),
