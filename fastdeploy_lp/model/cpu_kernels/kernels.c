@@ -249,19 +249,13 @@ void fdlp_argmax(const float *x, int64_t *out, uint8_t *unusable, int64_t rows, 
     const int64_t min_range = 8192;
     int64_t parts = rows >= threads ? 1 : threads / rows;
     if (parts > 1 && cols / parts < min_range) parts = cols / min_range > 1 ? cols / min_range : 1;
-    argmax_t partial[parts > 1 ? rows * parts : 1];
+    argmax_t partial[rows > 0 ? rows * parts : 1]; /* 16 bytes a range: a verify pass of 256 rows takes 4 KB */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < rows * parts; task++) {
         int64_t r = task / parts, p = task % parts;
-        argmax_t best = argmax_range(x + r * cols, p * cols / parts, (p + 1) * cols / parts);
-        if (parts > 1) {
-            partial[task] = best;
-        } else {
-            out[r] = best.at;
-            unusable[r] = best.bad || best.top == -INFINITY;
-        }
+        partial[task] = argmax_range(x + r * cols, p * cols / parts, (p + 1) * cols / parts);
     }
-    for (int64_t r = 0; parts > 1 && r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         argmax_t best = partial[r * parts];
         for (int64_t p = 1; p < parts; p++) { /* ranges in order: a later one wins only if larger */
             argmax_t next = partial[r * parts + p];
