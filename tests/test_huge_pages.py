@@ -1,4 +1,4 @@
-"""Weights on transparent huge pages (model/huge_pages.py): the marking, and values unchanged."""
+"""Weights on transparent huge pages (model/huge_pages.py): marking, packing, values unchanged."""
 
 from __future__ import annotations
 
@@ -49,3 +49,35 @@ def test_small_tensors_and_the_switch_leave_memory_alone(monkeypatch):
     assert huge_pages.advise_before_writing([small]) == 0
     monkeypatch.setenv("FDLP_HUGE_PAGES", "0")
     assert huge_pages.advise_before_writing([paddle.zeros([5 << 20], dtype="float32")]) == 0
+
+
+def test_pack_moves_each_dtype_into_one_buffer_on_huge_pages_keeping_shapes_and_values():
+    if thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this machine")
+    weights = [paddle.zeros(shape, dtype="int8") for shape in ([1152, 896], [896, 896], [9728, 896], [896, 4864])]
+    scales = [paddle.zeros([n], dtype="float32") for n in (1152, 896)]  # 8 KB: too little to pack
+    where = [t.data_ptr() for t in scales]
+    marked = huge_pages.pack(weights + scales)
+    assert marked == -(-sum(-(-w.size // 64) * 64 for w in weights) // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
+    assert [t.data_ptr() for t in scales] == where
+    start = weights[0].data_ptr()
+    assert start % huge_pages.HUGE_PAGE == 0
+    for before, after in zip(weights, weights[1:]):  # one after the other, 64-byte aligned
+        assert after.data_ptr() == before.data_ptr() + -(-before.size // 64) * 64
+    assert [w.shape for w in weights] == [[1152, 896], [896, 896], [9728, 896], [896, 4864]]
+    assert "hg" in vm_flags(start) and "hg" in vm_flags(weights[-1].data_ptr() + weights[-1].size - 1)
+    assert not any(w.numpy().any() for w in weights)  # zeros, as they came
+    rng = np.random.default_rng(0)
+    values = [rng.integers(-127, 128, w.shape, dtype=np.int8) for w in weights]
+    for w, v in zip(weights, values):  # the loader's write: in place, in the buffer
+        at = w.data_ptr()
+        w.set_value(paddle.to_tensor(v))
+        assert w.data_ptr() == at
+    assert all(np.array_equal(w.numpy(), v) for w, v in zip(weights, values))
+
+
+def test_pack_with_the_switch_off_leaves_tensors_where_they_are(monkeypatch):
+    monkeypatch.setenv("FDLP_HUGE_PAGES", "0")
+    t = paddle.zeros([4 << 20], dtype="float32")
+    at = t.data_ptr()
+    assert huge_pages.pack([t]) == 0 and t.data_ptr() == at

@@ -235,7 +235,7 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
     finally:
         paddle.set_default_dtype("float32")
     model.eval()
-    on_huge_pages = huge_pages.advise_before_writing(list(model.parameters()))  # before the writes below
+    on_huge_pages = huge_pages.pack(list(model.parameters()))  # before the writes below
     split = {} if shard is None else sharded_axes(config)
 
     def take(*names: str) -> paddle.Tensor:
@@ -263,6 +263,7 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
             params[name + "_scale"].set_value(scale)
         params[name].set_value(value.astype(params[name].dtype))
         del value
+    huge_pages.release_freed()
     logger.info("weights: %s%s, %.2f GB held%s", config.weight_dtype, _quantized_part(config, model),
                 weight_bytes(model) / 1e9, f" ({on_huge_pages / 1e9:.2f} GB on 2 MiB pages)" if on_huge_pages else "")
     return model
