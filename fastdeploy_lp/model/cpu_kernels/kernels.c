@@ -176,17 +176,20 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 #include "linear.h"
 #define WEIGHT uint16_t
 #define FORMAT bf16
+#define NARROW
 #define GEMV_AHEAD 4096
 #define SPLIT 2
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT _Float16
 #define FORMAT f16
+#define NARROW
 #define GEMV_AHEAD 4096
 #define QUANTIZE
 #include "linear.h"
 #define WEIGHT int8_t
 #define FORMAT i8
+#define NARROW
 #define GEMV_AHEAD 4096
 #include "linear.h"
 

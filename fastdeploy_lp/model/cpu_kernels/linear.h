@@ -1,7 +1,8 @@
 /* The linear kernel for one weight format, included by kernels.c once per format with WEIGHT (the
  * stored element type), FORMAT (the suffix of `load_w_FORMAT` and of the exported
- * `fdlp_linear_FORMAT`) and GEMV_AHEAD (the GEMV's prefetch distance) defined, and SPLIT where
- * the format has a `split_FORMAT`. Weights are widened to float32 vectors as they are loaded; the
+ * `fdlp_linear_FORMAT`) and GEMV_AHEAD (the GEMV's prefetch distance) defined, SPLIT where the
+ * format has a `split_FORMAT`, NARROW for the formats narrower than float32 (their `fdlp_widen_*`
+ * and `fdlp_embed_*`) and QUANTIZE for those int8 is quantized from (`fdlp_quantize_*`). Weights are widened to float32 vectors as they are loaded; the
  * prefetch distance is in bytes, so every format keeps as many reads in flight. */
 /* The GEMVs' walk over weight rows [n0, n1), two at a time: row i with row i + half, so each of
  * the two reads runs on through consecutive rows, two long sequential streams for the hardware
@@ -221,7 +222,7 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
     }
 }
 
-
+#ifdef NARROW /* float32 weights need no widening: Paddle's own ops read them */
 /* out[0, k_len) = row as float32, times s. */
 static void NAME(widen_row)(const WEIGHT *row, float s, float *out, int64_t k_len) {
     int64_t k_full = k_len - k_len % LANES;
@@ -256,6 +257,7 @@ int64_t NAME(fdlp_embed)(const int64_t *ids, const WEIGHT *w, const float *scale
     }
     return outside;
 }
+#endif
 
 #ifdef QUANTIZE
 /* q[n, :] = round(w[n, :] / scale[n]) with scale[n] = max |w[n, :]| / 127 (1 for an all-zero row),
@@ -288,5 +290,6 @@ void NAME(fdlp_quantize)(const WEIGHT *w, int8_t *q, float *scale, int64_t n_len
 #undef WEIGHT
 #undef FORMAT
 #undef QUANTIZE
+#undef NARROW
 #undef SPLIT
 #undef GEMV_AHEAD
