@@ -12,6 +12,7 @@ from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
+from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.processors.tensor_ops import add_at
 
 V = 12
@@ -109,6 +110,24 @@ def test_greedy_rows_take_argmax_and_logprobs_are_normalised(logits_row):
     assert lp.logprob == pytest.approx(ref.max(), abs=1e-5)
     assert list(lp.top) == list(np.argsort(-ref)[:3])
     assert result.logprobs[1] is None
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])  # the CPU argmax kernel's check, and Paddle's ops'
+def test_greedy_rows_nothing_can_be_drawn_from_fail_and_huge_finite_ones_do_not(kernels):
+    huge = np.full(V, 3e38, dtype=np.float32)  # sums far past float32's range: still a usable row
+    nan, pos_inf = huge.copy(), huge.copy()
+    nan[3], pos_inf[4] = np.nan, np.inf
+    all_neg_inf, one_left = np.full(V, -np.inf, np.float32), np.full(V, -np.inf, np.float32)
+    one_left[5] = 1.0
+    logits = paddle.to_tensor(np.stack([huge, nan, pos_inf, all_neg_inf, one_left]))
+    cpu_kernels.set_mode(kernels)
+    try:
+        result = SamplingStages(Sampler(5, V, eos_token_ids=[0])).sample(
+            logits, [_request(slot, temperature=0) for slot in range(5)])
+    finally:
+        cpu_kernels.set_mode("auto")
+    assert sorted(result.failures) == [1, 2, 3]
+    assert result.tokens[0] == 0 and result.tokens[4] == 5
 
 
 @pytest.fixture(scope="module")

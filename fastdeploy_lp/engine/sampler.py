@@ -35,16 +35,16 @@ from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.processors.tensor_ops import add_at, fill_at
 
 
-def _unusable_rows(logits: paddle.Tensor, argmax: paddle.Tensor, ones: paddle.Tensor) -> paddle.Tensor:
+def _unusable_rows(logits: paddle.Tensor, argmax: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
     """[rows] bool: rows with a NaN or +inf, or with every logit at -inf, in Paddle's ops (where
-    the CPU argmax kernel, which checks exactly in the same read, does not run).
+    the CPU argmax kernel, which checks the same in its read, does not run).
 
     One product instead of an elementwise check: a row's sum is NaN or +inf when it holds a NaN or
-    a +inf (with -inf elsewhere it is NaN or stays -inf), and also, falsely, when finite logits sum
-    past float32's range; the sum is taken as a GEMV against ones, which uses every core (Paddle's
-    CPU `sum` took 10 ms for 32 x 151,936); the value at the argmax the sampler computes anyway is
-    -inf when every entry is. `ones` is [vocab, 1]."""
-    total = paddle.matmul(logits, ones).squeeze(1)
+    a +inf (with -inf elsewhere it is NaN or stays -inf); the sum is taken as a GEMV, which uses
+    every core (Paddle's CPU `sum` took 10 ms for 32 x 151,936), against `weights` [vocab, 1] all
+    0.5 / vocab: half the mean of finite logits never leaves float32's range, where a plain sum of
+    huge ones would. The value at the argmax the sampler computes anyway is -inf when every entry is."""
+    total = paddle.matmul(logits, weights).squeeze(1)
     top = paddle.take_along_axis(logits, argmax.unsqueeze(1), axis=1).squeeze(1)
     return paddle.logical_or(paddle.logical_or(paddle.isnan(total), total == float("inf")),
                              top == float("-inf"))
@@ -98,7 +98,7 @@ class Sampler:
         self._counts: paddle.Tensor | None = None       # [slots, vocab] output token counts
         self._in_prompt: paddle.Tensor | None = None    # [slots, vocab] prompt membership
         self._pending_counts: list[tuple[int, int]] = []  # (slot, token) appended since the last flush
-        self._ones: paddle.Tensor | None = None  # [vocab, 1], for the row sums of the NaN/-inf check
+        self._sum_weights: paddle.Tensor | None = None  # [vocab, 1], for the row sums of the NaN/+inf check
 
     def on_admit(self, request: Request) -> None:
         """Set the penalty state of the request's slot from its prompt and output."""
@@ -207,9 +207,10 @@ class Sampler:
             tokens, unusable = kernels.argmax(logits)
         else:
             argmax = paddle.argmax(logits, axis=-1)
-            if self._ones is None or self._ones.shape[0] != logits.shape[-1]:
-                self._ones = paddle.ones([logits.shape[-1], 1], dtype="float32")
-            tokens, unusable = argmax.numpy().astype(np.int64), _unusable_rows(logits, argmax, self._ones).numpy()
+            if self._sum_weights is None or self._sum_weights.shape[0] != logits.shape[-1]:
+                self._sum_weights = paddle.full([logits.shape[-1], 1], 0.5 / logits.shape[-1], dtype="float32")
+            tokens = argmax.numpy().astype(np.int64)
+            unusable = _unusable_rows(logits, argmax, self._sum_weights).numpy()
         logprobs = self._logprobs(logits, rows.requests)
         if rows.probs is not None:
             uniforms = seeded_uniforms(np.array([r.seed for r in rows.requests], dtype=np.uint64),
