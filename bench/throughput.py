@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--plot", help="draw decode tok/s and TTFT against batch size to this PNG (matplotlib)")
     args = ap.parse_args()
+    if args.batch1_runs < 1:
+        ap.error("--batch1-runs must be at least 1")
 
     cpu_kernels.set_mode("auto")  # the engine measures its kernel choices at start-up in this mode
     rng = np.random.default_rng(0)

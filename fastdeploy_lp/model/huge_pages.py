@@ -10,11 +10,13 @@ Only whole 2 MiB pages inside one mapping can be huge, and each tensor of its ow
 its aligned interior on them: none of a 1 MB q/k/v or o projection of the bench model in int8, half
 of a 4.4 MB down projection: 46% of its int8 decoder layers stayed on 4 KiB pages, and the layers
 read at 26 GB/s where the LM head, nearly all on huge pages, read at 30. So the loader moves the
-parameters, zeros before it writes the checkpoint into them, into one buffer per dtype that starts
-on a 2 MiB boundary and is marked `MADV_HUGEPAGE` before anything is written (`pack`): every byte is
-then on 2 MiB pages and a batch-1 wint8 decode of the bench model ran 52.1 -> 55.4 tok/s (medians
-of 12 interleaved runs, Xeon AVX-512, 2 cores; bfloat16 4% faster, float32, whose matrices are
-larger, unchanged). Where the kernel says no (not Linux, huge pages off), nothing changes.
+parameters, before it writes the checkpoint into them, into one buffer per dtype that starts on a
+2 MiB boundary and is marked `MADV_HUGEPAGE` before anything is written (`pack`): every weight
+matrix is then on 2 MiB pages (a dtype filling less than one, like the bench model's 1.8 MB of
+int8 scales, stays where it was) and a batch-1 wint8 decode of the bench model ran 52.1 -> 55.4
+tok/s (medians of 12 interleaved runs, Xeon AVX-512, 2 cores; bfloat16 4% faster, float32, whose
+matrices are larger, unchanged). Where the kernel says no (not Linux, huge pages off), nothing
+changes.
 """
 
 from __future__ import annotations
@@ -31,11 +33,20 @@ MADV_DONTNEED, MADV_HUGEPAGE = 4, 14
 
 
 def _madvise():
-    if not sys.platform.startswith("linux") or not envs.get_flag("FDLP_HUGE_PAGES"):
+    if not sys.platform.startswith("linux") or not envs.get_flag("FDLP_HUGE_PAGES") or _thp_never():
         return None
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise
+
+
+def _thp_never() -> bool:
+    """Transparent huge pages switched off: `MADV_HUGEPAGE` still succeeds, and would change nothing."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            return "[never]" in mode.read()
+    except OSError:
+        return False
 
 
 def advise_before_writing(tensors: list[paddle.Tensor]) -> int:
@@ -62,10 +73,11 @@ def advise_before_writing(tensors: list[paddle.Tensor]) -> int:
 
 
 def pack(tensors: list[paddle.Tensor]) -> int:
-    """Move the CPU tensors, which must hold zeros and nothing else, into one buffer per dtype laid on
-    2 MiB pages, each keeping its shape (a 64-byte aligned slice sharing the buffer's memory), so the
-    writes that follow fault in huge pages. A dtype whose tensors fill less than one huge page stays
-    where it is. Returns the bytes marked."""
+    """Move the CPU tensors into one buffer per dtype laid on 2 MiB pages, each keeping its shape (a
+    64-byte aligned slice sharing the buffer's memory), so the writes that follow fault in huge
+    pages. Their values are not kept: moved tensors read as zeros until written (the loader writes
+    every one). A dtype whose tensors fill less than one huge page stays where it is. Returns the
+    bytes marked."""
     if _madvise() is None:
         return 0
     groups: dict = {}
