@@ -43,7 +43,8 @@ class TokenEmbedding(nn.Layer):
         self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True)
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
-        narrow = self.weight.dtype in (paddle.bfloat16, paddle.float16, paddle.int8) and self.weight.place.is_cpu_place()
+        narrow = (self.weight.dtype in (paddle.bfloat16, paddle.float16, paddle.int8)
+                  and self.weight.place.is_cpu_place())
         kernels = cpu_kernels.for_op("widen", input_ids.shape[0]) if narrow and input_ids.ndim == 1 else None
         if kernels is not None:  # one call, where the ops below are up to four
             return kernels.embed(input_ids, self.weight, self.weight_scale)

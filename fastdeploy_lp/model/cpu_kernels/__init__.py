@@ -249,8 +249,8 @@ class CpuKernels:
                                       at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
                                       at.tables.shape[1], at.max_len, at.scale)
         self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
-                     stack.format, stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches, ctypes.byref(attention_struct),
-                     work.data_ptr(), _threads)
+                     stack.format, stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
+                     ctypes.byref(attention_struct), work.data_ptr(), _threads)
         return out
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
@@ -281,8 +281,8 @@ class CpuKernels:
         float16 or int8 embedding `[vocab, hidden]` and int64 `ids` `[T]`."""
         ids = ids if ids.is_contiguous() else ids.contiguous()
         out = paddle.empty([ids.shape[0], weight.shape[1]], dtype="float32")
-        outside = self._embeds[weight.dtype](ids.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
-                                             out.data_ptr(), ids.shape[0], weight.shape[0], weight.shape[1])
+        outside = self._embeds[weight.dtype](ids.data_ptr(), weight.data_ptr(), _ptr(scale), out.data_ptr(),
+                                             ids.shape[0], weight.shape[0], weight.shape[1])
         if outside:
             raise IndexError(f"{outside} token id(s) outside the embedding's {weight.shape[0]} rows")
         return out

@@ -2,8 +2,9 @@
  * stored element type), FORMAT (the suffix of `load_w_FORMAT` and of the exported
  * `fdlp_linear_FORMAT`) and GEMV_AHEAD (the GEMV's prefetch distance) defined, SPLIT where the
  * format has a `split_FORMAT`, NARROW for the formats narrower than float32 (their `fdlp_widen_*`
- * and `fdlp_embed_*`) and QUANTIZE for those int8 is quantized from (`fdlp_quantize_*`). Weights are widened to float32 vectors as they are loaded; the
- * prefetch distance is in bytes, so every format keeps as many reads in flight. */
+ * and `fdlp_embed_*`) and QUANTIZE for those int8 is quantized from (`fdlp_quantize_*`). Weights
+ * are widened to float32 vectors as they are loaded; the prefetch distance is in bytes, so every
+ * format keeps as many reads in flight. */
 /* The GEMVs' walk over weight rows [n0, n1), two at a time: row i with row i + half, so each of
  * the two reads runs on through consecutive rows, two long sequential streams for the hardware
  * prefetcher instead of a new pair of short ones per row pair (rows i and i + 1: one read restarted
