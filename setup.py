@@ -16,11 +16,12 @@ setup(
     description="Paddle LLM inference engine with a registered logits-processor pipeline",
     python_requires=">=3.11",
     packages=find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"]),
-    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "layer.h"]},
+    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "blocks.h", "block_linear.h", "layer.h"]},
     install_requires=[
         "paddlepaddle>=3.0",
         "numpy",
         "safetensors",
+        "gguf>=0.17",
         "tokenizers",
         "sentencepiece",
         "jinja2",

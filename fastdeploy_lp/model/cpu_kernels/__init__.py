@@ -31,12 +31,8 @@ float32 accumulation, only the summation order differs from MKL's.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +41,11 @@ import paddle
 
 from fastdeploy_lp import envs
 from fastdeploy_lp.model import cpu_features
+from fastdeploy_lp.model.cpu_kernels.build import build
+from fastdeploy_lp.block_formats import FLOAT_DTYPES, FORMATS, WeightLayout
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
-HEADERS = [Path(__file__).with_name(name) for name in ("linear.h", "layer.h")]  # included by kernels.c: in the key
 SWITCH = "FDLP_CPU_KERNELS"
 MODES = ("auto", "0", "1")
 _threads = 1
@@ -90,9 +86,10 @@ LINEAR_BUCKETS = ((1, "1"), (8, "2-8"), (16, "9-16"), (KERNEL_ROWS, "17-32"))
 
 def bucket(op: str, rows: int) -> str:
     """The row bucket a choice is measured and kept for: linear layers by rows of x (1, 2-8, 9-16,
-    17-32: the weight-read-bound sizes), argmax and widen as one (their cost and Paddle's grow
-    alike), the others by decode (up to 32 rows) or prefill."""
-    if op in ("argmax", "widen"):
+    17-32: the weight-read-bound sizes), argmax, widen and blocks (block-format weights widened
+    for prefill) as one (their cost and Paddle's grow alike), the others by decode (up to 32 rows)
+    or prefill."""
+    if op in ("argmax", "widen", "blocks"):
         return "all"
     if op == "linear":
         return next((name for top, name in LINEAR_BUCKETS if rows <= top), "prefill")
@@ -137,7 +134,18 @@ class PagedAttention:
 
 
 class _Linear(ctypes.Structure):  # layer.h's fdlp_linear_t
-    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("parts", ctypes.c_int64), ("format", ctypes.c_int64 * 3), ("rows", ctypes.c_int64 * 3)]
+
+    @classmethod
+    def of(cls, weight: paddle.Tensor, scale: paddle.Tensor | None, bias: paddle.Tensor | None,
+           layout: WeightLayout | None) -> "_Linear":
+        """A weight held as one Paddle dtype (`_FORMATS`), or as the bytes `layout` describes."""
+        parts = ([(_FORMATS[weight.dtype], weight.shape[0])] if layout is None
+                 else [(FORMATS[name].code, rows) for name, rows in layout.parts])
+        codes, rows = [code for code, _ in parts], [n for _, n in parts]
+        return cls(weight.data_ptr(), _ptr(scale), _ptr(bias), len(parts), (ctypes.c_int64 * 3)(*codes),
+                   (ctypes.c_int64 * 3)(*rows))
 
 
 class _Attention(ctypes.Structure):  # layer.h's fdlp_attention_t
@@ -164,22 +172,21 @@ class LayerStack:
     layers: int
     hidden: int
     inter: int
-    format: int
     eps: float
 
     @classmethod
     def of(cls, norms: list[tuple], linears: list[tuple], caches: list[tuple], final_norm: paddle.Tensor, inter: int,
            eps: float) -> "LayerStack":
-        """`norms` (norm1, norm2 weights), `linears` (4 (weight, scale, bias) each) and `caches`
-        (keys, values) per layer, all layers alike; the `final_norm` weight; `inter` the MLP width."""
-        flat = [t for layer in linears for lin in layer for t in lin]
+        """`norms` (norm1, norm2 weights), `linears` (4 (weight, scale, bias, layout) each) and
+        `caches` (keys, values) per layer, all layers alike but for the weights' formats; the
+        `final_norm` weight; `inter` the MLP width."""
+        flat = [t for layer in linears for lin in layer for t in lin[:3]]
         return cls(tensors=[*flat, *(t for pair in norms + caches for t in pair), final_norm],
                    norms=(ctypes.c_void_p * (2 * len(norms)))(*(w.data_ptr() for pair in norms for w in pair)),
                    final_norm=final_norm.data_ptr(),
-                   linears=(_Linear * (4 * len(linears)))(*(_Linear(*map(_ptr, lin)) for layer in linears for lin in layer)),
+                   linears=(_Linear * (4 * len(linears)))(*(_Linear.of(*lin) for layer in linears for lin in layer)),
                    caches=(ctypes.c_void_p * (2 * len(caches)))(*(c.data_ptr() for pair in caches for c in pair)),
-                   layers=len(linears), hidden=norms[0][0].shape[0], inter=inter,
-                   format=_FORMATS[linears[0][0][0].dtype], eps=eps)
+                   layers=len(linears), hidden=norms[0][0].shape[0], inter=inter, eps=eps)
 
 
 def _ptr(tensor: paddle.Tensor | None) -> int | None:
@@ -198,13 +205,24 @@ class CpuKernels:
         self._read_sum = library.fdlp_read_sum
         self._read_sum.argtypes = [ptr, i64, c_int]
         self._read_sum.restype = ctypes.c_double
-        # One linear kernel per weight format; activations, scales and bias are float32.
-        self._linears = {dtype: getattr(library, f"fdlp_linear_{name}") for dtype, name in
-                         ((paddle.float32, "f32"), (paddle.bfloat16, "bf16"), (paddle.float16, "f16"),
-                          (paddle.int8, "i8"))}
-        for fn in self._linears.values():
-            fn.argtypes = [ptr] * 5 + [i64] * 3 + [c_int]
-            fn.restype = None
+        # One linear entry point for every weight format (layer.h); activations, scales and bias are float32.
+        self._linear = library.fdlp_linear
+        self._linear.argtypes = [ptr] * 3 + [i64] * 3 + [c_int]
+        self._linear.restype = c_int
+        self._dequantize = library.fdlp_dequantize
+        self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
+        self._dequantize.restype = None
+        self.block_panel_rows = library.fdlp_block_panel_rows  # rows of x from which a format's panels run
+        self.block_panel_rows.argtypes = [c_int]
+        self._quantize_blocks = library.fdlp_quantize_blocks
+        self._quantize_blocks.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
+        self._quantize_blocks.restype = c_int
+        self._widen_blocks = library.fdlp_widen_blocks
+        self._widen_blocks.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
+        self._widen_blocks.restype = c_int
+        self._embed_blocks = library.fdlp_embed_blocks
+        self._embed_blocks.argtypes = [c_int] + [ptr] * 3 + [i64] * 3
+        self._embed_blocks.restype = i64
         self._quantizers = {dtype: getattr(library, f"fdlp_quantize_{name}") for dtype, name in
                             ((paddle.float32, "f32"), (paddle.bfloat16, "bf16"), (paddle.float16, "f16"))}
         for fn in self._quantizers.values():
@@ -231,8 +249,9 @@ class CpuKernels:
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
         self._layers = library.fdlp_decoder_layers
-        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [c_int, ptr, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
-        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._layers):
+        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
+        self._layers.restype = c_int
+        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax):
             fn.restype = None
 
     def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention) -> paddle.Tensor:
@@ -248,20 +267,88 @@ class CpuKernels:
         attention_struct = _Attention(*(_ptr(getattr(at, name)) for name, _ in _Attention._fields_[:6]), None, None,
                                       at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
                                       at.tables.shape[1], at.max_len, at.scale)
-        self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
-                     stack.format, stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
-                     ctypes.byref(attention_struct), work.data_ptr(), _threads)
+        if self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
+                        stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
+                        ctypes.byref(attention_struct), work.data_ptr(), _threads):
+            raise MemoryError("decoder layers: no memory for the block-format linears' buffers")
         return out
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
-               scale: paddle.Tensor | None = None) -> paddle.Tensor:
+               scale: paddle.Tensor | None = None, layout: WeightLayout | None = None) -> paddle.Tensor:
         """`(x @ weight^T) * scale + bias` for float32 x `[M, K]` and a weight `[N, K]` in float32,
-        bfloat16, float16 or int8 (int8 with its per-row float32 `scale` `[N]`): float32 `[M, N]`."""
+        bfloat16, float16 or int8 (int8 with its per-row float32 `scale` `[N]`), or the bytes of a
+        weight in block formats as `layout` describes them: float32 `[M, N]`."""
         x = x if x.is_contiguous() else x.contiguous()
-        (rows, k), n = x.shape, weight.shape[0]
+        (rows, k), n = x.shape, weight.shape[0] if layout is None else layout.rows
         out = paddle.empty([rows, n], dtype=x.dtype)
-        self._linears[weight.dtype](x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k, _threads)
+        if self._linear(x.data_ptr(), ctypes.byref(_Linear.of(weight, scale, bias, layout)), out.data_ptr(), rows, n, k,
+                        _threads):
+            raise MemoryError(f"linear: no memory for the buffers of a {rows} x {k} product")
+        return out
+
+    def dequantize(self, data: paddle.Tensor, layout: WeightLayout) -> paddle.Tensor:
+        """The float32 `[rows, in_features]` values of a block-format weight, exactly as
+        `gguf.quants.dequantize` computes them (tests, and tools that need the float weights)."""
+        k, parts, offset = layout.in_features, [], 0
+        for i, (name, rows) in enumerate(layout.parts):
+            size = layout.part_bytes(i)
+            part = data[offset:offset + size]
+            if name in FLOAT_DTYPES:  # a copy first: Paddle's dtype view of a slice reads from its base's start
+                parts.append(part.clone().view(FLOAT_DTYPES[name]).reshape([rows, k]).astype("float32"))
+            else:
+                out = paddle.empty([rows, k], dtype="float32")
+                self._dequantize(FORMATS[name].code, part.data_ptr(), out.data_ptr(), rows, k, _threads)
+                parts.append(out)
+            offset += size
+        return parts[0] if len(parts) == 1 else paddle.concat(parts)
+
+    def widen_blocks(self, data: paddle.Tensor, layout: WeightLayout, start: int, end: int) -> paddle.Tensor:
+        """Rows `[start, end)` of a block-format weight as float32 `[end - start, in_features]`, for one
+        product (a tile of a prefill GEMM): in a buffer kept per shape and overwritten by the next
+        call, as `widen`'s. Rows in float parts are cast."""
+        k = layout.in_features
+        out = self._scratch.get((end - start, k, "blocks"))
+        if out is None:
+            out = self._scratch[(end - start, k, "blocks")] = paddle.empty([end - start, k], dtype="float32")
+        row, offset = 0, 0
+        for i, (name, rows) in enumerate(layout.parts):
+            lo, hi = max(start, row), min(end, row + rows)
+            if lo < hi:
+                part = data[offset:offset + layout.part_bytes(i)]
+                if name in FLOAT_DTYPES:
+                    floats = part.clone().view(FLOAT_DTYPES[name]).reshape([rows, k])[lo - row:hi - row]
+                    out[lo - start:hi - start] = floats.astype("float32")
+                else:
+                    self._widen_blocks(FORMATS[name].code, part.data_ptr(), lo - row, hi - lo, k,
+                                       out[lo - start:].data_ptr(), _threads)
+            row += rows
+            offset += layout.part_bytes(i)
+        return out
+
+    def quantize_blocks(self, weight: paddle.Tensor, name: str) -> paddle.Tensor:
+        """A 2-D weight in blocks of `name` (Q4_0, Q8_0 or W4G128), as `gguf.quants.quantize` writes
+        Q4_0 and Q8_0: its bytes, row after row. Read 4096 rows at a time as float32, so a bfloat16
+        embedding of a 128k vocabulary is never widened whole."""
+        rows, k = weight.shape
+        fmt = FORMATS[name]
+        out = paddle.empty([rows * fmt.row_bytes(k)], dtype="uint8")
+        for start in range(0, rows, 4096):
+            chunk = weight[start:start + 4096]
+            chunk = (chunk if chunk.dtype == paddle.float32 else chunk.astype("float32")).contiguous()
+            at = out[start * fmt.row_bytes(k):]
+            if self._quantize_blocks(fmt.code, chunk.data_ptr(), at.data_ptr(), chunk.shape[0], k, _threads):
+                raise ValueError(f"quantize_blocks: {name} is not a format weights are quantized to")
+        return out
+
+    def embed_blocks(self, ids: paddle.Tensor, data: paddle.Tensor, layout: WeightLayout) -> paddle.Tensor:
+        """`weight[ids]` as float32 for an embedding held in one block format."""
+        ids = ids if ids.is_contiguous() else ids.contiguous()
+        (name, vocab), = layout.parts
+        out = paddle.empty([ids.shape[0], layout.in_features], dtype="float32")
+        outside = self._embed_blocks(FORMATS[name].code, ids.data_ptr(), data.data_ptr(), out.data_ptr(),
+                                     ids.shape[0], vocab, layout.in_features)
+        if outside:
+            raise IndexError(f"{outside} token id(s) outside the embedding's {vocab} rows")
         return out
 
     def widen(self, weight: paddle.Tensor, scale: paddle.Tensor | None = None) -> paddle.Tensor:
@@ -361,12 +448,27 @@ class CpuKernels:
 
 def load() -> CpuKernels | None:
     """The kernels, built on first call; None where they cannot be or `FDLP_CPU_KERNELS=0` (logged once)."""
-    global _loaded, _off_logged
+    global _off_logged
     if mode() == "0":
         if not _off_logged:
             _off_logged = True
             logger.info("CPU kernels: off (%s=0); Paddle's kernels", SWITCH)
         return None
+    return _built()
+
+
+def required(weights: str) -> CpuKernels:
+    """The kernels for weights only they can multiply (block formats: GGUF, wint4), whatever
+    `FDLP_CPU_KERNELS` says; a `RuntimeError` naming `weights` where they cannot be built."""
+    kernels = _built()
+    if kernels is None:
+        raise RuntimeError(f"{weights} weights need the CPU kernels, which could not be built here (a C compiler "
+                           f"on PATH, cc or gcc, builds them at first use)")
+    return kernels
+
+
+def _built() -> CpuKernels | None:
+    global _loaded
     if _loaded is False:
         _loaded = None
         try:
@@ -376,62 +478,3 @@ def load() -> CpuKernels | None:
         except (OSError, subprocess.SubprocessError) as e:
             logger.warning("CPU kernels unavailable (%s); using Paddle's kernels", e)
     return _loaded or None
-
-
-def _openmp_flags() -> tuple[list[str], list[str]]:
-    """Link against Paddle's libiomp5 when it ships one, so MKL and these loops share threads."""
-    libs = Path(paddle.__file__).parent / "libs"
-    if (libs / "libiomp5.so").exists():
-        return ["-fopenmp", "-c"], ["-L", str(libs), "-liomp5", f"-Wl,-rpath,{libs}"]
-    return ["-fopenmp", "-c"], ["-fopenmp"]
-
-
-def build(isa: str | None = None, defines: tuple[str, ...] = ()) -> Path:
-    """The compiled library for `isa` (default: this CPU's, `cpu_features.detect().isa`), built once
-    per source, compiler, flags and `defines` (extra `-D` options, for experiments), and cached."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    compile_flags, link_flags = _openmp_flags()
-    isa_flags = cpu_features.COMPILE_FLAGS[isa or cpu_features.detect().isa]
-    flags = ["-O3", "-fPIC", "-std=gnu11", *isa_flags, *(f"-D{d}" for d in defines)]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = [SOURCE.read_text(), *(h.read_text() for h in HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, compiler, version, *flags, *link_flags])
-                         .encode()).hexdigest()[:16]
-    for cache in _cache_dirs():
-        target = cache / f"cpu_kernels-{key}.so"
-        if target.exists() and _private(cache):
-            return target
-        try:
-            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not _private(cache):
-                continue  # never load a library from a directory someone else can write
-            return _compile(compiler, flags, compile_flags, link_flags, cache, target)
-        except PermissionError:
-            continue  # a read-only home: try the next place
-    raise OSError("no writable directory for the compiled kernels")
-
-
-def _private(directory: Path) -> bool:
-    info = directory.stat()
-    return info.st_uid == os.getuid() and not info.st_mode & 0o022
-
-
-def _cache_dirs() -> list[Path]:
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdeploy_lp"
-    return [home, Path(tempfile.gettempdir()) / f"fastdeploy_lp-{os.getuid()}"]
-
-
-def _compile(compiler: str, flags: list[str], compile_flags: list[str], link_flags: list[str], cache: Path,
-             target: Path) -> Path:
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
-        for cmd in ([compiler, *flags, *compile_flags, str(SOURCE), "-o", str(obj)],
-                    [compiler, "-shared", str(obj), "-o", str(lib), *link_flags]):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise OSError(f"{' '.join(cmd[:2])} failed: {done.stderr.strip()[-500:]}")
-        os.replace(lib, target)  # atomic: concurrent builders (test workers, TP ranks) agree on one file
-    return target
-

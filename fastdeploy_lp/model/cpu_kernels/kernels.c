@@ -193,6 +193,37 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 #define GEMV_AHEAD 4096
 #include "linear.h"
 
+#include "blocks.h"
+#define BLOCK_AHEAD 4096 /* bytes: the narrow formats' GEMV prefetch distance */
+#define PANEL_BYTES (192 << 10) /* a thread's widened weight rows for many rows of x: in L2 with x's tile */
+#define BFORMAT FMT_Q4_0
+#define BNAME q4_0
+#include "block_linear.h"
+#define BFORMAT FMT_Q4_1
+#define BNAME q4_1
+#include "block_linear.h"
+#define BFORMAT FMT_Q5_0
+#define BNAME q5_0
+#include "block_linear.h"
+#define BFORMAT FMT_Q5_1
+#define BNAME q5_1
+#include "block_linear.h"
+#define BFORMAT FMT_Q8_0
+#define BNAME q8_0
+#include "block_linear.h"
+#define BFORMAT FMT_Q4_K
+#define BNAME q4_k
+#include "block_linear.h"
+#define BFORMAT FMT_Q5_K
+#define BNAME q5_k
+#include "block_linear.h"
+#define BFORMAT FMT_Q6_K
+#define BNAME q6_k
+#include "block_linear.h"
+#define BFORMAT FMT_W4G128
+#define BNAME w4g128
+#include "block_linear.h"
+
 /* Sum of n floats read by every thread: the machine's read bandwidth, measured by the benchmarks
  * the way a decode step reads its weights. */
 double fdlp_read_sum(const float *x, int64_t n, int threads) {

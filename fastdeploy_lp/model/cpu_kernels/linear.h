@@ -168,7 +168,7 @@ static void NAME(split_vector_times)(const float *x, const float *xs, const WEIG
 
 /* Weight rows [n0, n1) of the linear below, for every row of x (xs: x permuted, or NULL). */
 static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, const float *scale, const float *bias,
-                              float *y, int64_t m_len, int64_t n_len, int64_t k_len, int64_t n0, int64_t n1) {
+                              float *y, int64_t m_len, int64_t ldy, int64_t k_len, int64_t n0, int64_t n1) {
 #ifdef SPLIT
     if (m_len == 1 && xs) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
     else if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
@@ -178,33 +178,33 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
 #endif
     for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += X_ROWS) {
         const float *xm = x + m0 * k_len;
-        float *ym = y + m0 * n_len;
+        float *ym = y + m0 * ldy;
         switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
-            case 1: NAME(rows_times)(xm, w, scale, ym, 1, k_len, n0, n1, n_len); break;
-            case 2: NAME(rows_times)(xm, w, scale, ym, 2, k_len, n0, n1, n_len); break;
-            case 3: NAME(rows_times)(xm, w, scale, ym, 3, k_len, n0, n1, n_len); break;
+            case 1: NAME(rows_times)(xm, w, scale, ym, 1, k_len, n0, n1, ldy); break;
+            case 2: NAME(rows_times)(xm, w, scale, ym, 2, k_len, n0, n1, ldy); break;
+            case 3: NAME(rows_times)(xm, w, scale, ym, 3, k_len, n0, n1, ldy); break;
 #if X_ROWS > 4
-            case 4: NAME(rows_times)(xm, w, scale, ym, 4, k_len, n0, n1, n_len); break;
-            case 5: NAME(rows_times)(xm, w, scale, ym, 5, k_len, n0, n1, n_len); break;
-            case 6: NAME(rows_times)(xm, w, scale, ym, 6, k_len, n0, n1, n_len); break;
-            case 7: NAME(rows_times)(xm, w, scale, ym, 7, k_len, n0, n1, n_len); break;
+            case 4: NAME(rows_times)(xm, w, scale, ym, 4, k_len, n0, n1, ldy); break;
+            case 5: NAME(rows_times)(xm, w, scale, ym, 5, k_len, n0, n1, ldy); break;
+            case 6: NAME(rows_times)(xm, w, scale, ym, 6, k_len, n0, n1, ldy); break;
+            case 7: NAME(rows_times)(xm, w, scale, ym, 7, k_len, n0, n1, ldy); break;
 #endif
-            default: NAME(rows_times)(xm, w, scale, ym, X_ROWS, k_len, n0, n1, n_len);
+            default: NAME(rows_times)(xm, w, scale, ym, X_ROWS, k_len, n0, n1, ldy);
         }
     }
     if (bias)
         for (int64_t m = 0; m < m_len; m++)
-            for (int64_t n = n0; n < n1; n++) y[m * n_len + n] += bias[n];
+            for (int64_t n = n0; n < n1; n++) y[m * ldy + n] += bias[n];
 }
 
-/* y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when bias is not NULL).
- * Each thread takes an equal share of the weight rows (a multiple of 6: whole pairs for the GEMV,
+/* y[M, N] (row stride ldy) = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when
+ * bias is not NULL). Each thread takes an equal share of the weight rows (a multiple of 6: whole pairs for the GEMV,
  * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
  * rows at a time so they stay in L2 across x's row tiles. Blocks of 48 dealt out whole gave one of
  * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
  * read 7% slower. */
-void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
-                       int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
+                         int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
 #ifdef SPLIT
     const float *xs = m_len == 1 ? permute_x(x, k_len, SPLIT) : NULL;
@@ -217,9 +217,9 @@ void NAME(fdlp_linear)(const float *x, const WEIGHT *w, const float *scale, cons
         share += (6 - share % 6) % 6;
         int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
         if (m_len <= X_ROWS && start < end) /* one tile of x reads each row once: the whole share, in long streams */
-            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, start, end);
+            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, start, end);
         for (int64_t n0 = start; m_len > X_ROWS && n0 < end; n0 += block)
-            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, n_len, k_len, n0, n0 + block < end ? n0 + block : end);
+            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, n0, n0 + block < end ? n0 + block : end);
     }
 }
 
