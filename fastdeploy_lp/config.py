@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from fastdeploy_lp.block_formats import wint4_format
 from fastdeploy_lp.distributed.checks import check_tensor_parallel
 from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
 from fastdeploy_lp.options import (non_negative_float, non_negative_int, option, port_number, positive_float,
@@ -104,6 +105,7 @@ class FDConfig:
     reasoning_parser: str | None
     tensor_parallel_size: int
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
+    tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -138,8 +140,13 @@ class EngineArgs:
     """
 
     model: str | None = option(
-        None, "Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer). Default: the model "
-              "that ships with the package.", group=MODEL, metavar="DIR")
+        None, "Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer), or a GGUF file (the "
+              "first part of a split one; or a directory holding one), its weights kept in their blocks (CPU). "
+              "Default: the model that ships with the package.", group=MODEL, metavar="PATH")
+    tokenizer: str | None = option(
+        None, "Directory of Hugging Face tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) "
+              "to use instead of the model's own, e.g. for a GGUF file. Default: the model's.", group=MODEL,
+        metavar="DIR")
     max_num_seqs: int = option(8, "Engine slots: sequences decoded together in one batch.", group=MODEL,
                                parse=positive_int, metavar="N")
     max_model_len: int | None = option(
@@ -153,8 +160,13 @@ class EngineArgs:
     quantization: str | None = option(
         None, "wint8: int8 weights per output channel, quantized at load. CPU: linear layers, embedding and LM "
               "head. GPU (dtype bfloat16 or float16): linear layers through Paddle's weight_only_linear, embedding "
-              "and LM head in dtype; not run by this project's tests, which have no GPU. none: as dtype says.",
-        group=MODEL, choices=("wint8", "none"))
+              "and LM head in dtype; not run by this project's tests, which have no GPU. wint4 (CPU): 4-bit linear "
+              "layers, a scale per --wint4-group-size weights, embedding and LM head in Q8_0. none: as dtype says. "
+              "A GGUF model is already quantized: none.",
+        group=MODEL, choices=("wint8", "wint4", "none"))
+    wint4_group_size: int = option(128, "Weights per scale under --quantization wint4: 128 (4.125 bits a weight) or "
+                                        "32 (GGML's Q4_0, 4.5 bits).", group=MODEL, parse=positive_int,
+                                   choices=(32, 128), metavar="N")
     tensor_parallel_size: int = option(
         1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
            "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
@@ -253,6 +265,9 @@ class EngineArgs:
         model_config = model_config or ModelConfig.from_pretrained(self.model_path)
         check_tensor_parallel(model_config, device, self.tensor_parallel_size)  # before any weight loads
         model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
+        if model_config.quantization == "wint4":
+            wint4_format(self.wint4_group_size)  # refuses another group size, naming it
+            model_config = dataclasses.replace(model_config, wint4_group=self.wint4_group_size)
         return FDConfig(model_config=model_config, cache_config=cache_config, max_num_seqs=self.max_num_seqs,
                         max_model_len=_max_model_len(model_config, self.max_model_len), device=device,
                         logits_processors=tuple(self.logits_processors or ()),
@@ -262,13 +277,18 @@ class EngineArgs:
                         guided_close_on_length=self.guided_close_on_length,
                         guided_json_number_digits=self.guided_json_number_digits,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
-                        speculative_config=SpeculativeConfig.from_value(self.speculative_config))
+                        speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+                        tokenizer_dir=self.tokenizer)
 
 
 def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:
     """The checkpoint's config with how its weights are held and the dtype the engine computes in."""
-    weight_dtype = normalize_dtype(model_config.checkpoint_dtype if dtype in (None, "auto") else dtype)
     quantization = normalize_quantization(quantization)
+    if model_config.file_format == "gguf":
+        return _gguf_dtype(model_config, dtype, quantization, device)
+    weight_dtype = normalize_dtype(model_config.checkpoint_dtype if dtype in (None, "auto") else dtype)
+    if quantization == "wint4" and not device.startswith("cpu"):
+        raise ValueError(f"quantization: wint4 runs on cpu (its kernels are CPU kernels), not on {device}")
     if quantization and not device.startswith(("cpu", "gpu")):
         raise ValueError(f"quantization: {quantization} runs on cpu and gpu, not on {device}; "
                          f"there use dtype bfloat16 or float16")
@@ -283,6 +303,21 @@ def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str 
         logger.info("dtype %s: weights held as %s, computing in float32 on CPU", weight_dtype, weight_dtype)
         compute = "float32"
     return dataclasses.replace(model_config, dtype=compute, weight_dtype=weight_dtype, quantization=quantization)
+
+
+def _gguf_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:
+    """A GGUF file's weights stay in the file's types and the engine computes in float32, on CPU."""
+    if not device.startswith("cpu"):
+        raise ValueError(f"model: GGUF weights run on cpu (their kernels are CPU kernels), not on {device}; "
+                         f"pass --device cpu")
+    if dtype not in (None, "auto") and normalize_dtype(dtype) != "float32":
+        raise ValueError(f"dtype: a GGUF model keeps its weights in the file's types ({', '.join(model_config.tensor_types)}) "
+                         f"and computes in float32; pass dtype auto, not {dtype!r}")
+    if quantization:
+        raise ValueError(f"quantization: a GGUF model is already quantized ({', '.join(model_config.tensor_types)}); "
+                         f"pass none, not {quantization!r}")
+    held = next((kind for kind in model_config.tensor_types if kind != "F32"), "F32")
+    return dataclasses.replace(model_config, dtype="float32", weight_dtype=held, quantization="gguf")
 
 
 def _max_model_len(model_config: ModelConfig, wanted: int | None) -> int:

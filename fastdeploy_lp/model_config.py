@@ -3,10 +3,13 @@ transformers reads it, and the dtype and quantization names the engine accepts."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastdeploy_lp import gguf_file
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -31,23 +34,32 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPES[key]
 
 
-QUANTIZATIONS = ("wint8",)
+QUANTIZATIONS = ("wint8", "wint4")
 
 
 def normalize_quantization(quantization: str | None) -> str | None:
-    """None (weights as `dtype` says) or `wint8` (int8 weight-only, FastDeploy's name)."""
+    """None (weights as `dtype` says), `wint8` or `wint4` (int8 / 4-bit weight-only, FastDeploy's names)."""
     key = None if quantization is None else str(quantization).strip().lower()
     if key in (None, "", "none"):
         return None
     if key not in QUANTIZATIONS:
-        hint = " (int4 is not implemented: the int8 kernel's structure does not carry over)" if key == "wint4" else ""
-        raise ValueError(f"quantization: unsupported value {quantization!r}{hint}; use wint8 or none")
+        raise ValueError(f"quantization: unsupported value {quantization!r}; use wint8, wint4 or none")
     return key
 
 
 class UnsupportedCheckpointError(ValueError):
     """A checkpoint asks for something the decoder does not implement: a config switch or value, a
     tensor it would not use, a missing tensor or one of the wrong shape. The message names it."""
+
+
+_SHOWN = 8  # names listed per kind of problem before "... and N more"
+
+
+def listing(names, describe=repr) -> str:
+    """`names`, sorted and described, for an `UnsupportedCheckpointError`: at most eight of them."""
+    names = sorted(names)
+    more = f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(describe(n) for n in names[:_SHOWN]) + more
 
 
 # transformers' ACT2FN names that `fastdeploy_lp.model.activations` implements (`prelu` and `xielu`
@@ -59,7 +71,9 @@ HIDDEN_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_
 # RoPE types and the keys each one reads (transformers' ROPE_INIT_FUNCTIONS has more: dynamic,
 # yarn, longrope, ... which are refused).
 ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              # A GGUF file of a Llama 3.x model: the per-frequency divisors llama.cpp's converter computed.
+              "freq_factors": ("factors",)}
 
 # Defaults of the transformers config classes, used when config.json leaves a key out.
 _ARCH_DEFAULTS = {
@@ -109,17 +123,40 @@ class ModelConfig:
     # checkpoint stays 2 bytes a weight while the engine computes in float32.
     weight_dtype: str = "float32"
     quantization: str | None = None  # "wint8": linear weights int8 with a float32 scale per output row
+    wint4_group: int = 128  # weights per scale under quantization "wint4" (32: GGML's Q4_0)
+    file_format: str = "safetensors"  # or "gguf" (`fastdeploy_lp.gguf_file`)
+    tensor_types: dict[str, int] = field(default_factory=dict)  # GGUF: tensors of each stored type
+    # How each weight the loader fills is held, by decoder parameter name, where it is not
+    # `weight_dtype`: a dtype name, or a `block_formats.WeightLayout` (GGUF blocks, wint4). Set by
+    # the loader as it builds the model.
+    weight_layouts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        """The config of a Hugging Face directory (`config.json`) or of a GGUF file (its metadata)."""
+        files = gguf_file.gguf_files(model_dir)
+        if files is not None:
+            return cls.from_gguf(gguf_file.open_model(files))
         path = os.path.join(model_dir, "config.json")
+        if os.path.isfile(model_dir):
+            raise FileNotFoundError(f"model: {model_dir!r} is neither a GGUF file nor a checkpoint directory")
         if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"model: {model_dir!r} is not a directory")
+            raise FileNotFoundError(f"model: {model_dir!r} is not a directory or a GGUF file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model: no config.json in {model_dir!r}")
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
         return cls.from_dict(cfg, model_dir)
+
+    @classmethod
+    def from_gguf(cls, model: "gguf_file.GGUFModel") -> "ModelConfig":
+        """A GGUF file's config: its metadata read as the `config.json` it stands for, so the same
+        checks apply; float32 compute, the weights kept in the file's types."""
+        config = cls.from_dict(model.hf_config(), model.path)
+        sampling = {key: model.value(f"general.sampling.{name}") for key, name in
+                    (("temperature", "temp"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"))}
+        return dataclasses.replace(config, file_format="gguf", tensor_types=model.type_counts(),
+                                   generation_defaults={k: v for k, v in sampling.items() if v is not None})
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], model_dir: str = "") -> "ModelConfig":

@@ -46,7 +46,7 @@ class EngineContext:
     def load(cls, config: FDConfig, tool_functions: Mapping[str, Callable[..., Any]] | None = None,
              custom_guided_decoding_backends: Mapping[str, CustomBackend] | None = None) -> "EngineContext":
         """The context of `config` with its checkpoint's tokenizer (and no tools or backends unless given)."""
-        return cls(config, Tokenizer(config.model_config.model), tool_functions or {},
+        return cls(config, Tokenizer(config.tokenizer_dir or config.model_config.model), tool_functions or {},
                    custom_guided_decoding_backends or {})
 
 

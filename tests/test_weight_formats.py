@@ -114,8 +114,10 @@ def test_a_wint8_model_saves_the_values_its_int8_weights_stand_for(tmp_path):
         assert np.all(np.abs(saved[name] - original[name]) <= scale / 2 + 1e-7), name
 
 
-@pytest.mark.parametrize("value,error", [("wint4", "int4 is not implemented"), ("fp8", "unsupported value")])
+@pytest.mark.parametrize("value,error", [("wint2", "unsupported value 'wint2'; use wint8, wint4 or none"),
+                                         ("fp8", "unsupported value")])
 def test_unsupported_quantization_is_refused_by_name(value, error):
     with pytest.raises(ValueError, match=f"quantization: .*{error}"):
         normalize_quantization(value)
     assert normalize_quantization("none") is None and normalize_quantization("WINT8") == "wint8"
+    assert normalize_quantization("wint4") == "wint4"

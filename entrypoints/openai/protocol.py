@@ -386,7 +386,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     weight_dtype: str | None = None  # how linear weights are held ("bfloat16" on CPU computes in float32)
-    quantization: str | None = None  # "wint8" or None
+    quantization: str | None = None  # "wint8", "wint4", "gguf: Q4_K x168, ..." (the file's types) or None
     weight_bytes: int | None = None  # resident weight bytes, every tensor-parallel rank's together
 
 

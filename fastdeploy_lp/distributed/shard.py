@@ -44,7 +44,7 @@ class TensorShard:
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum over the ranks (the partial sums of a row-parallel layer); in place when `x` is
-        contiguous (`layers.linear`'s few-row CPU path gives a transposed view, which is copied)."""
+        contiguous (`linear.linear`'s few-row CPU path gives a transposed view, which is copied)."""
         if not x.is_contiguous():
             x = x.contiguous()
         dist.all_reduce(x)

@@ -17,6 +17,11 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 | `argmax`    | all (timed at 8 rows: both scale with rows) | `[8, vocab]`                           |
 | `widen`     | all (16-bit and int8 weights only) | 8 MB of layer 0's gate/up weight to float32     |
 
+Weights in block formats (GGUF, wint4) have no Paddle op to compare with up to 32 rows: their
+linear layers are the kernel's there (`linear` buckets kept without timing). For prefill, `blocks`
+times the kernel against tiles of the weight widened for MKL's GEMM (256 rows of x, layer 0's
+gate/up weight); the rest is measured as above.
+
 Each decision compares 5 interleaved timings of each side by the mean of their three fastest (noise
 only adds time; no single sample decides), and the kernel wins only if it is lower, but for
 `linear`, where it wins within `FUSED_LAYER_EDGE`: the one-call decoder layers (`fused_layer.py`)
@@ -43,7 +48,8 @@ import paddle
 import paddle.nn.functional as F
 
 from fastdeploy_lp.model import cpu_features, cpu_kernels
-from fastdeploy_lp.model.layers import AttentionBatch, paddle_linear, paddle_widen
+from fastdeploy_lp.model.layers import AttentionBatch
+from fastdeploy_lp.model.linear import paddle_linear, paddle_widen, widened_linear
 
 logger = logging.getLogger(__name__)
 
@@ -96,21 +102,30 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     plan = {}
     cpu_kernels.use_plan(plan)  # the references run Paddle's ops only
+    blocks = mlp.gate_up_weight_layout is not None  # GGUF, wint4: only the kernel multiplies those
     with paddle.no_grad():
-        if mlp.gate_up_weight.dtype != paddle.float32:
+        if mlp.gate_up_weight.dtype != paddle.float32 and not blocks:
             # 8 MB of output, past L2: Paddle's cast of a whole 7B gate/up weight would take seconds.
             rows = max(1, (8 << 20) // (4 * mlp.gate_up_weight.shape[1]))
             w = mlp.gate_up_weight[:rows].contiguous()
             scale = None if mlp.gate_up_weight_scale is None else mlp.gate_up_weight_scale[:rows].contiguous()
             plan["widen:all"] = _kernel_wins(lambda: kernels.widen(w, scale), lambda: paddle_widen(w, scale, "float32"))
-        width = mlp.gate_up_weight.shape[0]
+        width = 2 * mlp.intermediate
         for bucket, rows in (("decode", 8), ("prefill", 64)):
             product = paddle.randn([width, rows])
             plan[f"transpose:{bucket}"] = _kernel_wins(lambda: kernels.transpose(product),
                                                        lambda: product.T.contiguous())
         cpu_kernels.use_plan(plan)  # a linear layer without its kernel widens and transposes as measured
-        weights = _weight_sets(model)
+        if blocks:  # prefill: the kernels' own against tiles widened for MKL's GEMM (`linear.widened_linear`)
+            x = paddle.randn([256, mlp.gate_up_weight_layout.in_features])
+            layout = mlp.gate_up_weight_layout
+            plan["blocks:all"] = _kernel_wins(lambda: kernels.linear(x, mlp.gate_up_weight, layout=layout),
+                                              lambda: widened_linear(kernels, x, mlp.gate_up_weight, None, layout))
+        weights = [] if blocks else _weight_sets(model)
         for rows, name in cpu_kernels.LINEAR_BUCKETS:
+            if blocks:
+                plan[f"linear:{name}"] = True
+                continue
             xs = {k: paddle.randn([rows, k]) for k in {w.shape[1] for w, _ in itertools.chain(*weights)}}
             sets = itertools.cycle(weights)  # shared: consecutive timings read different sets
             plan[f"linear:{name}"] = _kernel_wins(
@@ -183,7 +198,8 @@ def _signature(model, block_size: int) -> str:
     cfg, attn = model.config, model.layers[0].self_attn
     shapes = [tuple(w.shape) for w in (attn.qkv_weight, attn.o_weight, model.layers[0].mlp.gate_up_weight,
                                        model.layers[0].mlp.down_weight)]
-    return json.dumps([shapes, str(attn.qkv_weight.dtype), cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+    formats = sorted({str(layout) for layout in cfg.weight_layouts.values()})
+    return json.dumps([shapes, str(attn.qkv_weight.dtype), formats, cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        attn.q_norm is None, block_size, cpu_kernels.threads()])
 
 

@@ -15,16 +15,17 @@ from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layers
-from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding, linear, linear_weight
+from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding
+from fastdeploy_lp.model.linear import linear, linear_weight
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None, prefix: str = ""):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, shard)
+        self.self_attn = Attention(config, shard, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, shard)
+        self.mlp = MLP(config, shard, prefix + "mlp.")
 
     def forward(self, x, batch, rotary, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), batch, rotary, kv_cache)
@@ -36,13 +37,18 @@ class TokenEmbedding(nn.Layer):
     checkpoint's dtype, or on CPU int8 with a float32 scale per row under `wint8`, where a lookup
     widens only the rows it reads. As the tied LM head, the int8 rows are read by the same kernels
     as every linear layer: the bench model's head is 28% of the bytes a decode step reads. On GPU
-    it stays in the compute dtype under `wint8` (`gpu_weight_only`)."""
+    it stays in the compute dtype under `wint8` (`gpu_weight_only`). In block formats (GGUF, wint4)
+    a lookup dequantizes the rows it reads."""
 
     def __init__(self, vocab: int, config: ModelConfig):
         super().__init__()
-        self.weight, self.weight_scale = linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True)
+        self.weight, self.weight_scale, self.weight_layout = linear_weight(
+            self, [vocab, config.hidden_size], config, vocabulary=True, key="embed_tokens.weight")
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        if self.weight_layout is not None:
+            return cpu_kernels.required(self.weight_layout.describe()).embed_blocks(input_ids, self.weight,
+                                                                                   self.weight_layout)
         narrow = (self.weight.dtype in (paddle.bfloat16, paddle.float16, paddle.int8)
                   and self.weight.place.is_cpu_place())
         kernels = cpu_kernels.for_op("widen", input_ids.shape[0]) if narrow and input_ids.ndim == 1 else None
@@ -73,12 +79,12 @@ class DecoderForCausalLM(nn.Layer):
         self.vocab_range = (0, config.vocab_size) if shard is None else shard.part(config.vocab_size)
         vocab = self.vocab_range[1] - self.vocab_range[0]
         self.embed_tokens = TokenEmbedding(vocab, config)
-        self.layers = nn.LayerList([DecoderLayer(config, shard) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.LayerList([DecoderLayer(config, shard, f"layers.{i}.") for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.lm_head, self.lm_head_scale = (  # [vocab, hidden], like the embedding
-            (None, None) if config.tie_word_embeddings
-            else linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True))
+        self.lm_head, self.lm_head_scale, self.lm_head_layout = (  # [vocab, hidden], like the embedding
+            (None, None, None) if config.tie_word_embeddings
+            else linear_weight(self, [vocab, config.hidden_size], config, vocabulary=True, key="lm_head"))
 
     def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         """Token embeddings; sharded, each rank looks up the ids in its rows (zeros for the others)
@@ -106,9 +112,11 @@ class DecoderForCausalLM(nn.Layer):
         return self.norm(x)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        weight, scale = ((self.embed_tokens.weight, self.embed_tokens.weight_scale) if self.lm_head is None
-                         else (self.lm_head, self.lm_head_scale))
-        out = linear(hidden, weight, scale=scale)  # CPU: the decode kernels, or MKL streaming the wide [vocab, hidden] matrix
+        head = self.embed_tokens if self.lm_head is None else None
+        weight, scale, layout = ((head.weight, head.weight_scale, head.weight_layout) if head is not None
+                                 else (self.lm_head, self.lm_head_scale, self.lm_head_layout))
+        # CPU: the decode kernels, or MKL streaming the wide [vocab, hidden] matrix
+        out = linear(hidden, weight, scale=scale, layout=layout)
         out = out if out.is_contiguous() else out.contiguous()
         if self.shard is not None:  # each rank scored its rows of the vocabulary
             out = self.shard.all_gather(out, axis=-1)

@@ -4,7 +4,7 @@ At batch 1 a layer's dozen steps between Python and the kernels (two norms, six 
 their output tensors, two residual adds) cost ~5 ms per decode step on the bench model: 7% of a
 float32 step and 15% of a wint8 one; a call per layer still cost ~1 ms (the structs, pointers and
 buffers of 24 calls). The fused call chains the same kernels in C for the whole stack. It runs only
-where every kernel it chains was chosen for the pass (`layers.kernels_for`, measured per op and row
+where every kernel it chains was chosen for the pass (`linear.kernels_for`, measured per op and row
 bucket), so it never replaces a Paddle op that was measured faster.
 """
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import paddle
 
 from fastdeploy_lp.model import cpu_kernels
-from fastdeploy_lp.model.layers import AttentionBatch, RMSNorm, RotaryEmbedding, kernels_for, zero_fresh_blocks
+from fastdeploy_lp.model.layers import AttentionBatch, RMSNorm, RotaryEmbedding, zero_fresh_blocks
+from fastdeploy_lp.model.linear import kernels_for
 
 
 def fused_layer_kernels(layer, x: paddle.Tensor, batch: AttentionBatch, kv_cache) -> cpu_kernels.CpuKernels | None:
@@ -55,9 +56,10 @@ def _stack(layers, kv_caches, final_norm: RMSNorm) -> cpu_kernels.LayerStack:
     kept = getattr(layers, "_fused_stack", None)
     if kept is not None and kept[0] is kv_caches:
         return kept[1]
-    linears = [[(a.qkv_weight, a.qkv_weight_scale, a.qkv_bias), (a.o_weight, a.o_weight_scale, a.o_bias),
-                (m.gate_up_weight, m.gate_up_weight_scale, m.gate_up_bias),
-                (m.down_weight, m.down_weight_scale, m.down_bias)]
+    linears = [[(a.qkv_weight, a.qkv_weight_scale, a.qkv_bias, a.qkv_weight_layout),
+                (a.o_weight, a.o_weight_scale, a.o_bias, a.o_weight_layout),
+                (m.gate_up_weight, m.gate_up_weight_scale, m.gate_up_bias, m.gate_up_weight_layout),
+                (m.down_weight, m.down_weight_scale, m.down_bias, m.down_weight_layout)]
                for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]
     norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
     stack = cpu_kernels.LayerStack.of(norms, linears, [tuple(pair) for pair in kv_caches], final_norm.weight,

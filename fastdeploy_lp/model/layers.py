@@ -1,7 +1,6 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention over a paged KV cache.
-
-Linear weights are stored `[in, out]` (Paddle's convention) so every projection is one `matmul`;
-q/k/v and gate/up are fused into one weight each, which halves the kernel launches per layer.
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention over a paged KV
+cache, the gated MLP. Linear weights and their products are `model/linear.py`'s; q/k/v and gate/up
+are fused into one weight each, which halves the kernel launches per layer.
 """
 
 from __future__ import annotations
@@ -18,84 +17,13 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import cpu_features, cpu_kernels, gpu_weight_only
+from fastdeploy_lp.model import cpu_features, cpu_kernels
 from fastdeploy_lp.model.activations import activation
+from fastdeploy_lp.model.linear import FEW_ROWS, kernels_for, linear, linear_weight
 
 
-_FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
 # Paddle's CPU fused_rms_norm is built for AVX-512 and does not check: elsewhere it dies with SIGILL.
 _FUSED_RMS_NORM_ON_CPU = cpu_features.detect().has_avx512f
-
-
-def kernels_for(x: paddle.Tensor, op: str, rows: int) -> cpu_kernels.CpuKernels | None:
-    """The CPU kernels when `x` is a float32 CPU tensor and they run `op` over `rows` rows here
-    (`cpu_kernels.for_op`: measured faster than Paddle's op, or forced on), else None."""
-    if x.dtype != paddle.float32 or not x.place.is_cpu_place():
-        return None
-    return cpu_kernels.for_op(op, rows)
-
-
-def linear_weight(layer: nn.Layer, shape: list[int], config: ModelConfig,
-                  vocabulary: bool = False) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-    """A linear weight `[out, in]` as `config` holds it, and its per-row scale (None but for int8):
-    `config.weight_dtype`, or int8 with a scale per output row under `wint8` (float32 on CPU; on
-    GPU in the compute dtype and in `gpu_weight_only`'s layout, which a lookup cannot read, so the
-    `vocabulary` matrices, embedding and LM head, stay in `config.weight_dtype` there). Zeros until
-    a checkpoint (the loader) or the trainer fills them: a random init of a 7B model would cost
-    minutes for values that are overwritten."""
-    zeros = nn.initializer.Constant(0.0)
-    gpu = config.quantization == "wint8" and gpu_weight_only.on_gpu()
-    if config.quantization == "wint8" and not (gpu and vocabulary):
-        return (layer.create_parameter(shape, dtype="int8", default_initializer=zeros),
-                layer.create_parameter(shape[:1], dtype=config.dtype if gpu else "float32",
-                                       default_initializer=zeros))
-    return layer.create_parameter(shape, dtype=config.weight_dtype, default_initializer=zeros), None
-
-
-def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
-           scale: paddle.Tensor | None = None) -> paddle.Tensor:
-    """`(x @ weight^T) * scale + bias` for a weight in Hugging Face's `[out, in]` layout, held as
-    float32, bfloat16, float16, or int8 with its per-row `scale` (`linear_weight`).
-
-    On CPU, timed over the bench model's weights read cold as in a decode step (2 cores, AVX-512):
-    up to 32 rows may go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads
-    it at half speed (8 rows: 77 vs 124 ms); `cpu_dispatch` keeps it per row bucket where it was
-    measured faster. Up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
-    `x @ weight^T`. Many rows (prefill) and other devices get the plain product; an int8 weight on
-    GPU is in `gpu_weight_only`'s layout, which only its op reads.
-    """
-    if scale is not None and x.place.is_gpu_place():
-        return gpu_weight_only.linear(x, weight, bias, scale)
-    rows = x.shape[0]
-    if rows <= cpu_kernels.KERNEL_ROWS and (kernels := kernels_for(x, "linear", rows)) is not None:
-        return kernels.linear(x, weight, bias, scale)
-    return paddle_linear(x, weight, bias, scale)
-
-
-def paddle_widen(weight: paddle.Tensor, scale: paddle.Tensor | None, dtype) -> paddle.Tensor:
-    """`weight` (times its per-row `scale`) as `dtype` in Paddle's ops. On CPU these casts ran at
-    ~50M elements/s, which `CpuKernels.widen` replaces where it can."""
-    weight = weight.astype(dtype)
-    return weight if scale is None else weight * scale.astype(dtype).unsqueeze(1)
-
-
-def paddle_linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
-                  scale: paddle.Tensor | None = None) -> paddle.Tensor:
-    """`linear` in Paddle's ops. A weight held in another dtype than x (Paddle's CPU matmul has no
-    bfloat16, float16 or int8 kernel) is widened for this product only: one layer at a time, never
-    a float32 copy of the model."""
-    if weight.dtype != x.dtype:
-        kernels = kernels_for(x, "widen", 0)
-        weight = paddle_widen(weight, scale, x.dtype) if kernels is None else kernels.widen(weight, scale)
-    rows = x.shape[0]
-    if rows <= _FEW_ROWS and x.place.is_cpu_place():
-        out = paddle.matmul(weight, x, transpose_y=True)
-        # A contiguous result: later ops copied the transposed view at ~1 GB/s.
-        kernels = kernels_for(x, "transpose", rows)
-        out = out.T if kernels is None else kernels.transpose(out)
-    else:
-        out = paddle.matmul(x, weight, transpose_y=True)
-    return out if bias is None else out + bias
 
 
 class RMSNorm(nn.Layer):
@@ -126,6 +54,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> paddle.Tensor:
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / paddle.to_tensor(scaling["factors"], dtype="float64")
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -311,7 +241,7 @@ class Attention(nn.Layer):
     `1/size` of the query and KV heads (their q/k/v rows and o_proj columns) and its slice of the
     KV cache; o_proj's partial sums are all-reduced and its bias added once, after that."""
 
-    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None, prefix: str = ""):
         super().__init__()
         self.shard = shard
         ranks = 1 if shard is None else shard.size
@@ -321,10 +251,12 @@ class Attention(nn.Layer):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_weight, self.qkv_weight_scale = linear_weight(self, [self.q_size + 2 * self.kv_size, hidden], config)
+        self.qkv_weight, self.qkv_weight_scale, self.qkv_weight_layout = linear_weight(
+            self, [self.q_size + 2 * self.kv_size, hidden], config, key=prefix + "qkv_weight")
         self.qkv_bias = (self.create_parameter([self.q_size + 2 * self.kv_size], is_bias=True)
                          if config.attention_bias else None)
-        self.o_weight, self.o_weight_scale = linear_weight(self, [hidden, self.q_size], config)
+        self.o_weight, self.o_weight_scale, self.o_weight_layout = linear_weight(
+            self, [hidden, self.q_size], config, key=prefix + "o_weight")
         self.o_bias = self.create_parameter([hidden], is_bias=True) if config.o_proj_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -332,7 +264,7 @@ class Attention(nn.Layer):
 
     def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
         # x: [tokens, hidden] (the batch is flattened to tokens)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_weight_scale)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_weight_scale, self.qkv_weight_layout)
         if kv_cache is None:
             return self._project(self._causal(*self._rotated(qkv, batch, rotary)))
         kernels = kernels_for(qkv, "rotary", qkv.shape[0]) if self.q_norm is None else None
@@ -375,9 +307,11 @@ class Attention(nn.Layer):
 
     def _project(self, out):
         if self.shard is None:
-            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias, self.o_weight_scale)
+            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias, self.o_weight_scale,
+                          self.o_weight_layout)
         # Row-parallel; each rank's int8 scales are its own columns', applied before the sum.
-        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight, None, self.o_weight_scale))
+        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight, None, self.o_weight_scale,
+                                          self.o_weight_layout))
         return out if self.o_bias is None else out + self.o_bias
 
     def _causal(self, q, k, v):
@@ -403,7 +337,7 @@ class Attention(nn.Layer):
     @staticmethod
     def attention_kernels(q, group: SequenceGroup) -> cpu_kernels.CpuKernels | None:
         """The CPU kernels if they run this group's attention (decode and prefill are measured apart)."""
-        return kernels_for(q, "attention", 1 if group.new == 1 else _FEW_ROWS)
+        return kernels_for(q, "attention", 1 if group.new == 1 else FEW_ROWS)
 
     def gathered_attention(self, q, group: SequenceGroup, k_cache, v_cache):
         """`_cached` in Paddle's ops: heads sharing a KV head are folded into the query-length axis,
@@ -437,22 +371,23 @@ class MLP(nn.Layer):
     all-reduced and its bias added once, after that.
     """
 
-    def __init__(self, config: ModelConfig, shard: TensorShard | None = None):
+    def __init__(self, config: ModelConfig, shard: TensorShard | None = None, prefix: str = ""):
         super().__init__()
         self.shard = shard
         self.intermediate = config.intermediate_size // (1 if shard is None else shard.size)
         self.act = activation(config.hidden_act)
         # silu(gate) * up in one fused kernel that also splits gate_up: 2x faster than split, silu, mul
         self.fused_swiglu = config.hidden_act in ("silu", "swish")
-        self.gate_up_weight, self.gate_up_weight_scale = linear_weight(
-            self, [2 * self.intermediate, config.hidden_size], config)
-        self.down_weight, self.down_weight_scale = linear_weight(self, [config.hidden_size, self.intermediate], config)
+        self.gate_up_weight, self.gate_up_weight_scale, self.gate_up_weight_layout = linear_weight(
+            self, [2 * self.intermediate, config.hidden_size], config, key=prefix + "gate_up_weight")
+        self.down_weight, self.down_weight_scale, self.down_weight_layout = linear_weight(
+            self, [config.hidden_size, self.intermediate], config, key=prefix + "down_weight")
         self.gate_up_bias = (self.create_parameter([2 * self.intermediate], is_bias=True)
                              if config.mlp_bias else None)
         self.down_bias = self.create_parameter([config.hidden_size], is_bias=True) if config.mlp_bias else None
 
     def forward(self, x):
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_scale)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_scale, self.gate_up_weight_layout)
         if self.fused_swiglu and (kernels := kernels_for(gate_up, "swiglu", gate_up.shape[0])) is not None:
             hidden = kernels.swiglu(gate_up)  # 25 vs 90 ms for Paddle's CPU swiglu on [4096, 2 x 4864]
         elif self.fused_swiglu:
@@ -461,6 +396,7 @@ class MLP(nn.Layer):
             gate, up = paddle.split(gate_up, 2, axis=-1)
             hidden = self.act(gate) * up
         if self.shard is None:
-            return linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale)
-        out = self.shard.all_reduce(linear(hidden, self.down_weight, None, self.down_weight_scale))  # row-parallel
+            return linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale, self.down_weight_layout)
+        out = self.shard.all_reduce(  # row-parallel
+            linear(hidden, self.down_weight, None, self.down_weight_scale, self.down_weight_layout))
         return out if self.down_bias is None else out + self.down_bias

@@ -1,7 +1,7 @@
 """Hugging Face safetensors checkpoints in and out of `DecoderForCausalLM`.
 
 Reads one `model.safetensors` or the shards listed in `model.safetensors.index.json`, in float32,
-bfloat16 or float16, keeps linear weights in their `[out, in]` layout (`layers.linear` multiplies
+bfloat16 or float16, keeps linear weights in their `[out, in]` layout (`linear.linear` multiplies
 by the transpose), and fuses q/k/v and gate/up. `save_pretrained` does the reverse, so the project's own training script
 writes checkpoints that any Hugging Face tool reads.
 
@@ -22,10 +22,12 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
-from fastdeploy_lp.model_config import ModelConfig, UnsupportedCheckpointError
+from fastdeploy_lp.block_formats import FLOAT_DTYPES, WeightLayout, wint4_format
+from fastdeploy_lp.model_config import ModelConfig, UnsupportedCheckpointError, listing
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model import cpu_kernels, gpu_weight_only, huge_pages
 from fastdeploy_lp.model.decoder import DecoderForCausalLM
+from fastdeploy_lp.model.gguf_checkpoint import GGUFCheckpoint
 from fastdeploy_lp.model.layers import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,6 @@ _FLOAT_DTYPES = frozenset({"F32", "BF16", "F16"})  # safetensors dtypes that loa
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Old checkpoints store the RoPE frequencies as buffers; transformers recomputes them from the config.
 _INV_FREQ = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
-_SHOWN = 8  # names listed per kind of problem before "... and N more"
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -90,6 +91,7 @@ class _Checkpoint:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
+        self.aliases: dict[str, str] = {}  # name the model reads -> name in the file (`_tie_head`)
         self.where: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
@@ -115,6 +117,19 @@ class _Checkpoint:
                     out[name] = f.get_tensor(name)
         return out
 
+    def take(self, names: tuple[str, ...], split: dict[str, int], shard: TensorShard | None) -> paddle.Tensor:
+        """The named tensors (this rank's part of split ones, read through `aliases`), concatenated
+        on rows."""
+        parts = []
+        for name in names:
+            stored = self.aliases.get(name, name)
+            if name in split:
+                axis = split[name]
+                parts.append(self.read_part(stored, axis, *shard.part(self.shapes[stored][axis])))
+            else:
+                parts.append(self.read([stored])[stored])
+        return parts[0] if len(parts) == 1 else paddle.concat(parts)
+
     def read_part(self, name: str, axis: int, start: int, end: int) -> paddle.Tensor:
         """Rows (`axis=0`) or columns (`axis=1`) `[start, end)` of one tensor, reading only those
         bytes of the file (a tensor-parallel rank's shard).
@@ -133,12 +148,6 @@ class _Checkpoint:
             begin = json.loads(f.read(header_len))[name]["data_offsets"][0]
         words = np.memmap(path, dtype=np.uint16, mode="r", offset=8 + header_len + begin, shape=self.shapes[name])
         return paddle.to_tensor(np.ascontiguousarray(words[index])).view(paddle.bfloat16)
-
-
-def _listing(names, describe=repr) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return ", ".join(describe(n) for n in names[:_SHOWN]) + more
 
 
 def _tie_head(config: ModelConfig, ckpt: _Checkpoint) -> tuple[ModelConfig, dict[str, str]]:
@@ -173,16 +182,16 @@ def _check(config: ModelConfig, ckpt: _Checkpoint, aliases: dict[str, str]) -> N
     problems = []
     if extra:
         problems.append(f"{len(extra)} tensor(s) the {config.architecture} model does not use (with this "
-                        f"config.json): {_listing(extra)}")
+                        f"config.json): {listing(extra)}")
     if missing:
-        problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_listing(missing)}")
+        problems.append(f"{len(missing)} tensor(s) the model needs are missing: {listing(missing)}")
     if wrong_shape:
-        problems.append(f"{len(wrong_shape)} tensor(s) have the wrong shape: " + _listing(
+        problems.append(f"{len(wrong_shape)} tensor(s) have the wrong shape: " + listing(
             wrong_shape, lambda n: f"{n!r} is {list(ckpt.shapes[aliases.get(n, n)])}, config.json says "
                                    f"{list(expected[n])}"))
     if wrong_dtype:
         problems.append(f"{len(wrong_dtype)} tensor(s) have an unsupported dtype (float32, bfloat16, float16 "
-                        f"load): " + _listing(wrong_dtype, lambda n: f"{n!r} ({ckpt.dtypes[n]})"))
+                        f"load): " + listing(wrong_dtype, lambda n: f"{n!r} ({ckpt.dtypes[n]})"))
     if problems:
         raise UnsupportedCheckpointError(f"model: the checkpoint in {config.model!r} does not match its "
                                          f"config.json: " + "; ".join(problems))
@@ -222,13 +231,24 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
     The checkpoint must hold exactly the tensors `expected_tensors(config)` lists, in their shapes
     (besides what transformers also accepts: a duplicate `lm_head.weight` of a tied embedding and
     RoPE frequency buffers that agree with the config); anything else is an
-    `UnsupportedCheckpointError` naming the tensors. With a `shard` (one tensor-parallel rank) the
-    same whole-checkpoint check runs, then only the rank's rows or columns of the split tensors
-    (`sharded_axes`) are read from the files.
+    `UnsupportedCheckpointError` naming the tensors. A GGUF file (`gguf_file`) meets the same
+    contract under the Hugging Face names, its weights kept in their stored blocks. With a `shard`
+    (one tensor-parallel rank) the same whole-checkpoint check runs, then only the rank's rows or
+    columns of the split tensors (`sharded_axes`) are read from the files.
     """
-    ckpt = _Checkpoint(config.model)
-    config, aliases = _tie_head(config, ckpt)
-    _check(config, ckpt, aliases)
+    split = {} if shard is None else sharded_axes(config)
+    if config.file_format == "gguf":
+        ckpt = GGUFCheckpoint(config)
+        ckpt.check(expected_tensors(config))
+    else:
+        ckpt = _Checkpoint(config.model)
+        config, ckpt.aliases = _tie_head(config, ckpt)
+        _check(config, ckpt, ckpt.aliases)
+    sources = _sources(config)
+    config = dataclasses.replace(config, weight_layouts=_weight_layouts(config, ckpt, sources, split, shard))
+    if config.weight_layouts and not paddle.get_device().startswith("cpu"):
+        raise UnsupportedCheckpointError(f"model: {_held_as(config)} weights run on CPU only (no GPU kernels for "
+                                         f"block formats yet); use --device cpu")
     paddle.set_default_dtype(config.dtype)
     try:
         model = DecoderForCausalLM(config, max_positions, shard)
@@ -236,37 +256,76 @@ def load_model(config: ModelConfig, max_positions: int | None = None,
         paddle.set_default_dtype("float32")
     model.eval()
     on_huge_pages = huge_pages.pack(list(model.parameters()))  # before the writes below
-    split = {} if shard is None else sharded_axes(config)
-
-    def take(*names: str) -> paddle.Tensor:
-        """The named checkpoint tensors (this rank's part of split ones), concatenated on rows."""
-        parts = []
-        for name in names:
-            stored = aliases.get(name, name)
-            if name in split:
-                axis = split[name]
-                parts.append(ckpt.read_part(stored, axis, *shard.part(ckpt.shapes[stored][axis])))
-            else:
-                parts.append(ckpt.read([stored])[stored])
-        return parts[0] if len(parts) == 1 else paddle.concat(parts)
-
     params = model.state_dict()
-    sources = _sources(config)
     if set(params) != set(sources) | {n + "_scale" for n in sources if n + "_scale" in params}:
         raise RuntimeError(f"model: loader and decoder disagree on {sorted(set(params) ^ set(sources))}")
     for name, names in sources.items():  # one tensor at a time: peak memory stays near the model's own
-        value = take(*names)
-        if list(params[name].shape) != list(value.shape):
-            raise RuntimeError(f"model: {name} is {list(value.shape)}, the decoder has {list(params[name].shape)}")
-        if name + "_scale" in params:  # after `take`: a rank quantizes its own shard, scales and all
-            value, scale = _quantized(value, params[name + "_scale"])
-            params[name + "_scale"].set_value(scale)
-        params[name].set_value(value.astype(params[name].dtype))
-        del value
+        layout = config.weight_layouts.get(name)
+        if config.file_format == "gguf":  # as the file stores it: blocks, or float values in the dtype
+            params[name].set_value(ckpt.take(names, layout, split, shard, params[name].dtype))
+        else:
+            _fill(params, name, ckpt.take(names, split, shard), layout)
     huge_pages.release_freed()
-    logger.info("weights: %s%s, %.2f GB held%s", config.weight_dtype, _quantized_part(config, model),
+    logger.info("weights: %s%s, %.2f GB held%s", _held_as(config), _quantized_part(config, model),
                 weight_bytes(model) / 1e9, f" ({on_huge_pages / 1e9:.2f} GB on 2 MiB pages)" if on_huge_pages else "")
     return model
+
+
+def _fill(params: dict[str, paddle.Tensor], name: str, value: paddle.Tensor, layout) -> None:
+    """Write a checkpoint tensor into the decoder parameter `name`, in the form the parameter holds."""
+    if isinstance(layout, WeightLayout):  # wint4: this rank's rows in 4-bit (Q8_0 for the vocabulary)
+        params[name].set_value(quantize_blocks(value, layout))
+        return
+    if list(params[name].shape) != list(value.shape):
+        raise RuntimeError(f"model: {name} is {list(value.shape)}, the decoder has {list(params[name].shape)}")
+    if name + "_scale" in params:  # after `take`: a rank quantizes its own shard, scales and all
+        value, scale = _quantized(value, params[name + "_scale"])
+        params[name + "_scale"].set_value(scale)
+        params[name].set_value(value)
+    else:
+        params[name].set_value(value.astype(params[name].dtype))
+
+
+def _weight_layouts(config: ModelConfig, ckpt, sources: dict[str, tuple[str, ...]], split: dict[str, int],
+                    shard: TensorShard | None) -> dict[str, WeightLayout | str]:
+    """How each 2-D weight is held where it is not `config.weight_dtype`: a GGUF file's in the
+    types the file stores (`WeightLayout` when any part is a block format, else the float dtype),
+    wint4's in 4-bit blocks (the vocabulary matrices in Q8_0). The shapes are this rank's."""
+    if config.file_format != "gguf" and config.quantization != "wint4":
+        return {}
+    expected = expected_tensors(config)
+    vocabulary = {"embed_tokens.weight", "lm_head"}
+    layouts = {}
+    for param, names in sources.items():
+        if len(expected[names[0]]) != 2:
+            continue
+        parts, columns = [], expected[names[0]][1]
+        for name in names:
+            rows = expected[name][0]
+            if name in split:
+                start, end = shard.part(expected[name][split[name]])
+                rows, columns = (end - start, columns) if split[name] == 0 else (rows, end - start)
+            if config.file_format == "gguf":
+                parts.append((ckpt.type_of(name), rows))
+            else:
+                parts.append(("Q8_0" if param in vocabulary else wint4_format(config.wint4_group), rows))
+        if any(name not in FLOAT_DTYPES for name, _ in parts):
+            try:
+                layouts[param] = WeightLayout.of(parts, columns)
+            except ValueError as e:  # a row-parallel split inside a block
+                raise UnsupportedCheckpointError(
+                    f"tensor_parallel_size: {shard.size if shard else 1} gives each rank {columns} columns of "
+                    f"{names[0]!r}: {e}; use a size that splits at block boundaries") from e
+        else:
+            kinds = {FLOAT_DTYPES[name] for name, _ in parts}
+            layouts[param] = kinds.pop() if len(kinds) == 1 else "float32"
+    return layouts
+
+
+def _held_as(config: ModelConfig) -> str:
+    if config.file_format == "gguf":
+        return "GGUF " + ", ".join(f"{kind} x{count}" for kind, count in config.tensor_types.items())
+    return config.weight_dtype
 
 
 def _quantized(weight: paddle.Tensor, scale: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -276,9 +335,17 @@ def _quantized(weight: paddle.Tensor, scale: paddle.Tensor) -> tuple[paddle.Tens
     return quantize_rows(weight)
 
 
+def quantize_blocks(weight: paddle.Tensor, layout: WeightLayout) -> paddle.Tensor:
+    """`weight` `[out, in]` in the one block format of `layout` (wint4), as its bytes."""
+    (name, _), = layout.parts
+    return cpu_kernels.required(f"wint4 ({name})").quantize_blocks(weight, name)
+
+
 def _quantized_part(config: ModelConfig, model: DecoderForCausalLM) -> str:
-    if not config.quantization:
+    if config.quantization in (None, "gguf"):
         return ""
+    if config.quantization == "wint4":
+        return f", wint4 (linear layers in {wint4_format(config.wint4_group)}, embedding and LM head in Q8_0)"
     if model.embed_tokens.weight_scale is None:  # GPU: see gpu_weight_only
         return f", {config.quantization} (linear layers; embedding and LM head in {config.weight_dtype})"
     return f", {config.quantization} (linear layers, embedding, LM head)"
@@ -337,7 +404,7 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     if model.shard is not None:
         raise ValueError("model: a tensor-parallel shard holds part of the weights; save an unsharded model")
     cfg = model.config
-    state = _float_state(model.state_dict())
+    state = _float_state(model.state_dict(), cfg.weight_layouts)
     out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):
@@ -367,12 +434,17 @@ def hf_state_dict(model: DecoderForCausalLM) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _float_state(params: dict[str, paddle.Tensor]) -> dict[str, np.ndarray]:
+def _float_state(params: dict[str, paddle.Tensor], layouts: dict) -> dict[str, np.ndarray]:
     """Every parameter but the int8 scales as float32 numpy, int8 weights as the values they stand
-    for: row-major int8 times its row scale on CPU, `gpu_weight_only.dequantize` on GPU."""
+    for: row-major int8 times its row scale on CPU, `gpu_weight_only.dequantize` on GPU; block
+    formats (GGUF, wint4) dequantized as `gguf.quants` does."""
     scales = {name: scale for name, scale in params.items() if name.removesuffix("_scale") in params.keys() - {name}}
     weights = {name.removesuffix("_scale"): (params[name.removesuffix("_scale")], scale) for name, scale in scales.items()}
-    state = {k: v.astype("float32").numpy() for k, v in params.items() if k not in scales and k not in weights}
+    blocks = {name: layout for name, layout in layouts.items() if isinstance(layout, WeightLayout)}
+    state = {k: v.astype("float32").numpy() for k, v in params.items()
+             if k not in scales and k not in weights and k not in blocks}
+    for name, layout in blocks.items():
+        state[name] = cpu_kernels.required(layout.describe()).dequantize(params[name], layout).numpy()
     for name, (weight, scale) in weights.items():
         if weight.place.is_gpu_place():
             state[name] = gpu_weight_only.dequantize(weight, scale).astype("float32").numpy()

@@ -9,6 +9,8 @@ import re
 from functools import cached_property
 from typing import Any
 
+from fastdeploy_lp import gguf_file
+from fastdeploy_lp.tokenizer import gguf_vocab
 from fastdeploy_lp.tokenizer.chat_template import ChatTemplate
 from fastdeploy_lp.tokenizer.text import check_text
 
@@ -27,6 +29,7 @@ class Tokenizer:
     """`encode`/`decode` text, render chats, and expose the vocabulary as bytes (for grammars)."""
 
     def __init__(self, model_dir: str):
+        """The tokenizer of a Hugging Face directory, or of a GGUF file (`gguf_vocab`)."""
         self.model_dir = model_dir
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         self.config: dict[str, Any] = {}
@@ -35,7 +38,12 @@ class Tokenizer:
                 self.config = json.load(f)
         json_path = os.path.join(model_dir, "tokenizer.json")
         sp_path = os.path.join(model_dir, "tokenizer.model")
-        if os.path.isfile(json_path):
+        gguf_files = gguf_file.gguf_files(model_dir)
+        if gguf_files is not None:
+            built, self.config = gguf_vocab.build(gguf_file.open_model(gguf_files))
+            self._hf, self._sp = (None, built) if hasattr(built, "piece_to_id") else (built, None)
+            self.vocab_size = self._sp.get_piece_size() if self._sp else self._hf.get_vocab_size(with_added_tokens=True)
+        elif os.path.isfile(json_path):
             from tokenizers import Tokenizer as HFTokenizer
 
             self._hf = HFTokenizer.from_file(json_path)

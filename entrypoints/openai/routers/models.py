@@ -46,9 +46,12 @@ async def list_logits_processors(request: Request):
 def _model_card(state, name: str) -> dict:
     engine = state.async_engine.engine
     model = engine.fd_config.model_config
+    quantization = model.quantization
+    if model.file_format == "gguf":  # the file's type mix: "gguf: Q4_K x168, Q6_K x25, F32 x65"
+        quantization = "gguf: " + ", ".join(f"{kind} x{count}" for kind, count in model.tensor_types.items())
     return {"id": name, "object": "model", "created": state.started, "owned_by": "fastdeploy_lp",
             "root": state.settings.model_path, "max_model_len": engine.fd_config.max_model_len,
-            "weight_dtype": model.weight_dtype, "quantization": model.quantization,
+            "weight_dtype": model.weight_dtype, "quantization": quantization,
             "weight_bytes": engine.runner.weight_bytes}
 
 
