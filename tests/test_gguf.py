@@ -184,6 +184,8 @@ def test_what_the_engine_cannot_serve_is_refused_naming_it(tmp_path):
         EngineArgs(model=path, device="cpu", dtype="bfloat16").create_engine_config()
     with pytest.raises(ValueError, match="GGUF weights run on cpu .* not on gpu"):
         EngineArgs(model=path, device="gpu").create_engine_config()
+    with pytest.raises(ValueError, match="wint4 runs on cpu .* not on gpu"):
+        EngineArgs(model=fixture_dir("llama"), device="gpu", quantization="wint4").create_engine_config()
     import gguf
 
     two_bit = str(tmp_path / "q2.gguf")

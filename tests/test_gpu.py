@@ -75,3 +75,14 @@ def test_wint8_on_gpu_generates_like_bfloat16_and_saves_its_values(tmp_path):
     original = load_file(os.path.join(default_model_path(), "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
     scale = np.abs(original).max(axis=1, keepdims=True) / 127
     assert np.all(np.abs(saved - original) <= scale * 0.51 + np.abs(original) * 2 ** -6)
+
+
+def test_gguf_and_wint4_weights_on_a_gpu_are_refused_naming_the_cpu(tmp_path):
+    """No GPU kernels for block formats yet: a clear start-up error, not a crash in a CPU kernel."""
+    from gguf_files import write_gguf
+
+    path = write_gguf(fixture_dir("llama"), str(tmp_path / "m.gguf"), types=lambda name, w: "Q8_0")
+    with pytest.raises(ValueError, match="GGUF weights run on cpu .* not on gpu"):
+        LLM(path, device="gpu")
+    with pytest.raises(ValueError, match="wint4 runs on cpu"):
+        LLM(fixture_dir("llama"), device="gpu", quantization="wint4")

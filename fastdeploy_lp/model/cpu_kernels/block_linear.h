@@ -6,89 +6,95 @@
 #define BCONCAT(a, b) BCONCAT_(a, b)
 #define BFN(f) BCONCAT(f, BNAME)
 
-/* y[m * ldy + at0] (and at1, if `two`) for `rows` rows of x (a constant once inlined) and the two
- * weight rows w0, w1, each group of each weight row unpacked once for all rows of x. */
-static inline __attribute__((always_inline)) void BFN(block_tile)(const xquant_t *x, const uint8_t *w0,
-                                                                   const uint8_t *w1, int two, float *y0, float *y1,
+/* y[r][m * ldy] for `rows` rows of x and the `wr` weight rows w[r] (both constants once inlined;
+ * only the `valid` ones are written), each group of each weight row unpacked once for all rows of x. */
+static inline __attribute__((always_inline)) void BFN(block_tile)(const xquant_t *x, const uint8_t *const *w,
+                                                                   const int *valid, float *const *y, const int wr,
                                                                    const int rows, int64_t ldy, int64_t blocks) {
     enum { ELEMS = BFORMAT == FMT_Q4_K || BFORMAT == FMT_Q5_K || BFORMAT == FMT_Q6_K ? 256
                    : BFORMAT == FMT_W4G128 ? 128 : 32,
            GROUPS = ELEMS / 32, LINES = 4 };
     const int64_t bytes = block_bytes(BFORMAT);
-    gsum_t acc0[X_ROWS], acc1[X_ROWS];
-    float min0[X_ROWS], min1[X_ROWS];
-    for (int m = 0; m < rows; m++) acc0[m] = acc1[m] = gsum_zero(), min0[m] = min1[m] = 0.f;
+    gsum_t acc[4][X_ROWS];
+    float mins[4][X_ROWS];
+    for (int r = 0; r < wr; r++)
+        for (int m = 0; m < rows; m++) acc[r][m] = gsum_zero(), mins[r][m] = 0.f;
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *b0 = w0 + b * bytes, *b1 = w1 + b * bytes;
-        for (int l = 0; l < LINES && l * 64 < bytes; l++) { /* the lines this block spans, GEMV_AHEAD on */
-            __builtin_prefetch(b0 + l * 64 + BLOCK_AHEAD);
-            __builtin_prefetch(b1 + l * 64 + BLOCK_AHEAD);
+        head_t h[4];
+        for (int r = 0; r < wr; r++) {
+            for (int l = 0; l < LINES && l * 64 < bytes; l++) /* the lines this block spans, BLOCK_AHEAD on */
+                __builtin_prefetch(w[r] + b * bytes + l * 64 + BLOCK_AHEAD);
+            unpack_head(BFORMAT, w[r] + b * bytes, &h[r]);
         }
-        head_t h0, h1;
-        unpack_head(BFORMAT, b0, &h0);
-        unpack_head(BFORMAT, b1, &h1);
         for (int j = 0; j < GROUPS; j++) {
-            group_t g0, g1;
-            unpack_group(BFORMAT, b0, j, &g0);
-            unpack_group(BFORMAT, b1, j, &g1);
+            group_t g[4];
+            for (int r = 0; r < wr; r++) unpack_group(BFORMAT, w[r] + b * bytes, j, &g[r]);
             int64_t at = b * GROUPS + j;
             for (int m = 0; m < rows; m++) {
                 const int16_t *xq = x->q + m * x->k + 32 * at;
                 float dx = x->d[m * x->groups + at];
-                acc0[m] = group_dot(BFORMAT, &g0, xq, h0.d[j] * dx, acc0[m]);
-                acc1[m] = group_dot(BFORMAT, &g1, xq, h1.d[j] * dx, acc1[m]);
+                for (int r = 0; r < wr; r++) acc[r][m] = group_dot(BFORMAT, &g[r], xq, h[r].d[j] * dx, acc[r][m]);
                 if (has_minimum(BFORMAT)) {
                     float sx = x->s[m * x->groups + at];
-                    min0[m] += h0.m[j] * sx;
-                    min1[m] += h1.m[j] * sx;
+                    for (int r = 0; r < wr; r++) mins[r][m] += h[r].m[j] * sx;
                 }
             }
         }
     }
-    for (int m = 0; m < rows; m++) {
-        y0[m * ldy] = gsum_total(acc0[m]) + min0[m];
-        if (two) y1[m * ldy] = gsum_total(acc1[m]) + min1[m];
-    }
+    for (int r = 0; r < wr; r++)
+        for (int m = 0; m < rows; m++)
+            if (valid[r]) y[r][m * ldy] = gsum_total(acc[r][m]) + mins[r][m];
 }
 
-/* Weight rows [n0, n1) for x rows [m0, m0 + rows): rows i and i + half together (two long streams,
- * as linear.h's PAIRS_BEGIN). */
+/* Weight rows [n0, n1) for x rows [m0, m0 + rows), `wr` at a time: rows i, i + span, i + 2 span, ...
+ * together, so each is a long stream through the range (linear.h's PAIRS_BEGIN). One row of x
+ * takes four weight rows: x's group is loaded once for all four, and the per-row work (clearing
+ * and summing the accumulators) is shared by more weights: the bench model's 896-wide rows read at
+ * 10 GB/s two at a time (gate/up, AVX2 EPYC, 2 threads). More rows of x take two, to keep the
+ * accumulators in registers. */
 static void BFN(block_rows)(const xquant_t *x, const uint8_t *w, float *y, int64_t m0, int64_t rows, int64_t ldy,
                             int64_t k_len, int64_t n0, int64_t n1) {
     int64_t blocks = k_len / (BFORMAT == FMT_Q4_K || BFORMAT == FMT_Q5_K || BFORMAT == FMT_Q6_K ? 256
                               : BFORMAT == FMT_W4G128 ? 128 : 32);
-    int64_t row_bytes = blocks * block_bytes(BFORMAT), half = (n1 - n0 + 1) / 2;
+    int64_t row_bytes = blocks * block_bytes(BFORMAT);
+    const int wr = rows == 1 ? 4 : 2;
+    int64_t span = (n1 - n0 + wr - 1) / wr;
     xquant_t xm = *x;
     xm.q += m0 * x->k, xm.d += m0 * x->groups, xm.s += m0 * x->groups;
     float *ym = y + m0 * ldy;
-    for (int64_t i = 0; i < half; i++) {
-        int64_t r0 = n0 + i, r1 = n0 + half + i;
-        int two = r1 < n1;
-        const uint8_t *w0 = w + r0 * row_bytes, *w1 = w + (two ? r1 : r0) * row_bytes;
+    for (int64_t i = 0; i < span; i++) {
+        const uint8_t *wr_at[4];
+        float *y_at[4];
+        int valid[4];
+        for (int r = 0; r < wr; r++) {
+            int64_t at = n0 + i + r * span;
+            valid[r] = at < n1;
+            wr_at[r] = w + (valid[r] ? at : n0 + i) * row_bytes;
+            y_at[r] = ym + at;
+        }
         switch (rows) {
-            case 1: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 1, ldy, blocks); break;
-            case 2: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 2, ldy, blocks); break;
-            case 3: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 3, ldy, blocks); break;
+            case 1: BFN(block_tile)(&xm, wr_at, valid, y_at, 4, 1, ldy, blocks); break;
+            case 2: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 2, ldy, blocks); break;
+            case 3: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 3, ldy, blocks); break;
 #if X_ROWS > 4
-            case 4: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 4, ldy, blocks); break;
-            case 5: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 5, ldy, blocks); break;
-            case 6: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 6, ldy, blocks); break;
-            case 7: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, 7, ldy, blocks); break;
+            case 4: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 4, ldy, blocks); break;
+            case 5: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 5, ldy, blocks); break;
+            case 6: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 6, ldy, blocks); break;
+            case 7: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, 7, ldy, blocks); break;
 #endif
-            default: BFN(block_tile)(&xm, w0, w1, two, ym + r0, ym + r1, X_ROWS, ldy, blocks);
+            default: BFN(block_tile)(&xm, wr_at, valid, y_at, 2, X_ROWS, ldy, blocks);
         }
     }
 }
 
 /* y[m, n] (row stride ldy) = x[m, :] . w[n, :] + bias[n] for the quantized x, over n_len weight rows;
- * each thread an equal, even share of the rows. */
+ * each thread an equal share of the rows. */
 static void BFN(block_linear)(const xquant_t *x, const uint8_t *w, const float *bias, float *y, int64_t m_len,
                               int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
 #pragma omp parallel num_threads(threads)
     {
         int64_t parts = omp_get_num_threads(), share = (n_len + parts - 1) / parts;
-        share += share % 2;
         int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
         for (int64_t n0 = start; n0 < end; n0 += m_len > X_ROWS ? block : end - start) {
             int64_t n1 = m_len <= X_ROWS || n0 + block > end ? end : n0 + block;

@@ -193,14 +193,6 @@ static int block_bytes(int format) {
     }
 }
 
-/* 0 if `format` is a block format these kernels know, else -1 (the bindings check it once). */
-int fdlp_block_format(int format, int64_t *elems, int64_t *bytes) {
-    if (block_bytes(format) == 0) return -1;
-    *elems = block_elems(format);
-    *bytes = block_bytes(format);
-    return 0;
-}
-
 /* out[n, :] = row n of w ([n_len rows of k_len / BLOCK blocks]) as float32. */
 void fdlp_dequantize(int format, const uint8_t *w, float *out, int64_t n_len, int64_t k_len, int threads) {
     int64_t elems = block_elems(format), bytes = block_bytes(format), per_row = k_len / elems;
