@@ -1,7 +1,9 @@
 """Peak memory and load time of one checkpoint in each weight format, each in a fresh process.
 
     python bench/make_bench_model.py --shape qwen2.5-7b --dtype bfloat16 --out bench/models/qwen2.5-7b-random
-    python bench/load_memory.py --model bench/models/qwen2.5-7b-random --weights bfloat16 wint8
+    python bench/load_memory.py --model bench/models/qwen2.5-7b-random --weights bfloat16 wint8 wint4
+    python bench/make_gguf.py --shape qwen2.5-7b       # a 7B-shaped Q4_K_M GGUF file of random blocks
+    python bench/load_memory.py --model bench/models/qwen2.5-7b-random-Q4_K_M.gguf --weights gguf
 
 Each format loads in its own process (so one's memory does not count against the next), answers
 one 16-token prompt with 8 greedy tokens, and reports the weight bytes it holds, the time to load,
@@ -41,12 +43,13 @@ print("RESULT", json.dumps({"load_s": loaded, "tokens": len(out.outputs.token_id
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(os.path.dirname(__file__), "models", "qwen2.5-7b-random"))
-    ap.add_argument("--weights", nargs="+", default=["bfloat16", "wint8"], choices=list(FORMATS))
+    ap.add_argument("--weights", nargs="+", default=["bfloat16", "wint8"], choices=[*FORMATS, "gguf"],
+                    help="gguf: a GGUF file's weights as stored")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     rows = []
     for weights in args.weights:
-        done = subprocess.run([sys.executable, "-c", CHILD, args.model, json.dumps(FORMATS[weights])],
+        done = subprocess.run([sys.executable, "-c", CHILD, args.model, json.dumps(FORMATS.get(weights, {}))],
                               capture_output=True, text=True)
         if done.returncode:
             rows.append({"weights": weights, "error": done.stderr.strip().splitlines()[-1]})

@@ -80,10 +80,10 @@ def transformers_engine(model_dir: str, max_batch: int, max_len: int, formats: l
 
     peers = []
     for weights in formats:
-        if weights == "wint8":
+        if weights in ("wint8", "wint4"):
             # Its quantizers (bitsandbytes, torchao, ...) are separate packages, and torch's own dynamic
             # quantization also quantizes activations: neither is the model as transformers runs it.
-            peers.append(Peer("transformers int8", weights,
+            peers.append(Peer(f"transformers {weights.removeprefix('w')}", weights,
                               skipped="no int8 weights of its own on CPU (its quantizers are separate packages)"))
         else:
             peers.append(Peer(f"transformers {weights}", weights, runner(getattr(torch, weights))))
@@ -123,7 +123,10 @@ def ctranslate2_engine(model_dir: str, max_batch: int, max_len: int, formats: li
 
     peers = []
     for weights in formats:
-        ct2_type = CT2_TYPES[weights]
+        ct2_type = CT2_TYPES.get(weights)
+        if ct2_type is None:
+            peers.append(Peer(f"CTranslate2 {weights}", weights, skipped="no 4-bit weights on CPU"))
+            continue
         name = f"CTranslate2 {ct2_type}"
         # Asked for a compute type the CPU build lacks, CTranslate2 refuses it; computing in another
         # type instead would time a different format under this one's name.
@@ -135,7 +138,7 @@ def ctranslate2_engine(model_dir: str, max_batch: int, max_len: int, formats: li
     return peers
 
 
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "wint8": "q8_0"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "wint8": "q8_0", "wint4": "q4_0"}
 
 
 def llama_cpp_engine(model_dir: str, max_batch: int, max_len: int, formats: list[str]) -> list[Peer] | None:
@@ -189,9 +192,21 @@ def _gguf_converter() -> str | None:
     return found[0] if found else None
 
 
+def llama_cpp_on_gguf(path: str, weights: str, max_batch: int, max_len: int) -> Peer | None:
+    """llama.cpp on a GGUF file as it is (`bench/throughput.py --gguf`): the same bytes both engines read."""
+    if not importlib.util.find_spec("llama_cpp"):
+        return None
+    return Peer(f"llama.cpp {weights}", weights, _LlamaBatch(path, max_batch, max_len).run)
+
+
 class _LlamaBatch:
     """Batched greedy decode with llama.cpp's batch API: one sequence id per request, a prompt pass
-    per sequence, then one `llama_decode` per step over every sequence's last token."""
+    per sequence, then one `llama_decode` per step over every sequence's last token.
+
+    In the settings `llama-server` runs with by default (llama.cpp's context defaults): flash
+    attention `auto` (on for the CPU), a KV cache per sequence (not one unified cache), batches of
+    2048 and micro-batches of 512 tokens. The earlier unified cache with flash attention off cost it
+    ~22% at batch 8."""
 
     def __init__(self, gguf: str, max_batch: int, max_len: int, extra_bufts: bool = True):
         import llama_cpp
@@ -205,10 +220,8 @@ class _LlamaBatch:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = max_batch * max_len, max(512, max_batch), 512
-        params.n_seq_max, params.kv_unified = max_batch, True
+        params.n_ctx, params.n_seq_max = max_batch * max_len, max_batch
         params.n_threads = params.n_threads_batch = THREADS
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama_cpp.Llama() opens it
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(max(512, max_batch), 0, max_batch)

@@ -5,6 +5,11 @@ checkpoint, in one run.
     python bench/make_bench_model.py            # once: the Qwen2.5-0.5B-shaped random checkpoint
     python bench/throughput.py --batch-sizes 1 8 32 --prompt-lens 128 512 --output-len 64 \\
         --weights float32 bfloat16 wint8 --kernel-modes auto 1 0 --json out.json --plot out.png
+    python bench/make_gguf.py                   # once: the bench model as Q8_0, Q4_0, Q4_K_M GGUF files
+    python bench/throughput.py --gguf bench/models/qwen2.5-0.5b-random-Q4_0.gguf ...   # llama.cpp on each file
+
+With `--gguf`, each file is timed in this engine and in llama.cpp (llama-cpp-python, in
+`llama-server`'s default settings) reading the same bytes; rows are named by the file's type.
 
 The header names the CPU (model and the vector ISA the kernels were built for) and the memory read
 bandwidth measured here (every core summing a 1 GiB buffer), and turns it into the weight-read
@@ -54,7 +59,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peers import Peer, ctranslate2_engine, llama_cpp_engine, transformers_engine  # noqa: E402
+from peers import Peer, ctranslate2_engine, llama_cpp_engine, llama_cpp_on_gguf, transformers_engine  # noqa: E402
 
 from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
 from fastdeploy_lp.model import cpu_features, cpu_kernels, huge_pages  # noqa: E402
@@ -156,28 +161,29 @@ def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
 
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "float16": {"dtype": "float16"},
-           "wint8": {"dtype": "auto", "quantization": "wint8"}}
+           "wint8": {"dtype": "auto", "quantization": "wint8"}, "wint4": {"dtype": "auto", "quantization": "wint4"}}
 
 
 def run_engines(args, llms: dict[str, LLM], peers: list[Peer], prompts: list[list[int]]) -> dict:
+    """Every engine on `prompts`; at batch 1 `--batch1-runs` rounds, the engines interleaved within a
+    round (the first engine timed was always the slowest when each ran its repeats in a row: the
+    machine's clock and caches warm over seconds), and each engine's median run kept."""
     runs = args.batch1_runs if len(prompts) == 1 else 1
-
-    def median_run(run) -> dict:
-        results = sorted((run() for _ in range(runs)), key=lambda r: r["decode_tok_s"])
-        return results[len(results) // 2]
-
-    results = {}
+    engines = {}
     for weights, llm in llms.items():
         for mode in args.kernel_modes:
-            cpu_kernels.set_mode(mode)
-            bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
-            results[f"fastdeploy_lp {weights} kernels={mode}"] = median_run(
-                lambda: bench_fastdeploy(llm, prompts, args.output_len))
-        cpu_kernels.set_mode("auto")
-    for peer in peers:
-        if peer.run:
-            results[peer.name] = median_run(lambda: peer.run(prompts, args.output_len))
-    return results
+            def run(llm=llm, mode=mode):
+                cpu_kernels.set_mode(mode)
+                bench_fastdeploy(llm, prompts[:1], 4)  # warm-up
+                return bench_fastdeploy(llm, prompts, args.output_len)
+            engines[f"fastdeploy_lp {weights} kernels={mode}"] = run
+    engines.update({peer.name: (lambda peer=peer: peer.run(prompts, args.output_len)) for peer in peers if peer.run})
+    timed: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(runs):
+        for name, run in engines.items():
+            timed[name].append(run())
+    cpu_kernels.set_mode("auto")
+    return {name: sorted(results, key=lambda r: r["decode_tok_s"])[len(results) // 2] for name, results in timed.items()}
 
 
 def print_table(header: str, rows: list[dict], limits: dict[str, float], modes: list[str], peers: list[Peer],
@@ -249,6 +255,9 @@ def main() -> None:
                     help="FDLP_CPU_KERNELS modes to time the engine in, side by side")
     ap.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp", "ctranslate2"],
                     help="peers to time where installed")
+    ap.add_argument("--gguf", nargs="+", default=[], metavar="FILE",
+                    help="GGUF files to time this engine and llama.cpp on, each on the same file (with or "
+                         "instead of --weights)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--plot", help="draw decode tok/s and TTFT against batch size to this PNG (matplotlib)")
     args = ap.parse_args()
@@ -258,15 +267,27 @@ def main() -> None:
     cpu_kernels.set_mode("auto")  # the engine measures its kernel choices at start-up in this mode
     rng = np.random.default_rng(0)
     # Prefix caching off: the warm-up's prompt would otherwise be a cache hit in the timed run.
-    llms = {w: LLM(args.model, max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), enable_prefix_caching=False,
-                   max_model_len=max(args.prompt_lens) + args.output_len + 8, **FORMATS[w]) for w in args.weights}
+    engine_args = dict(max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), enable_prefix_caching=False,
+                       max_model_len=max(args.prompt_lens) + args.output_len + 8)
+    llms = {w: LLM(args.model, **engine_args, **FORMATS[w]) for w in (args.weights if not args.gguf else [])}
+    files = {}  # format name -> GGUF file
+    for path in args.gguf:
+        llm = LLM(path, **engine_args)
+        name = f"GGUF {os.path.basename(path).removesuffix('.gguf').rsplit('-', 1)[-1]}"
+        llms[name], files[name] = llm, path
     cpu = cpu_features.detect()
     bandwidth = read_bandwidth_gbs()
     weights = {w: weight_bytes_per_token(llm) for w, llm in llms.items()}
     limits = {w: bandwidth * 1e9 / b for w, b in weights.items()}
     makers = {"transformers": transformers_engine, "llama.cpp": llama_cpp_engine, "ctranslate2": ctranslate2_engine}
     peers, missing = [], []
-    for maker in args.peers:
+    for name, path in files.items():  # llama.cpp on the very file
+        peer = llama_cpp_on_gguf(path, name, max(args.batch_sizes), engine_args["max_model_len"])
+        if peer is None:
+            missing.append("llama.cpp")
+        else:
+            peers.append(peer)
+    for maker in args.peers if not args.gguf else []:
         made = makers[maker](args.model, max(args.batch_sizes), max(args.prompt_lens) + args.output_len + 8,
                              args.weights)
         if made is None:
@@ -275,7 +296,7 @@ def main() -> None:
         else:
             peers += made
     llm = next(iter(llms.values()))
-    vocab = llm.tokenizer.vocab_size
+    vocab = min(each.tokenizer.vocab_size for each in llms.values())  # GGUF files of different models
     rows = []
     for prompt_len in args.prompt_lens:
         for batch in args.batch_sizes:

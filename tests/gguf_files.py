@@ -104,10 +104,10 @@ def _k_quant(blocks: np.ndarray, kind: str) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, path: str, types=None, weights: dict | None = None, arch: str | None = None,
-               split_max_tensors: int = 0, extra_tensors: dict | None = None) -> str:
+               split_max_tensors: int = 0, extra_tensors: dict | None = None, pre: str = "gpt-2") -> str:
     """The checkpoint in `hf_dir` (or `weights`, Hugging Face names -> float32, with its config and
     tokenizer) as a GGUF file at `path`. `types(hf_name, array) -> GGML type name` picks each
-    tensor's type (default: F32)."""
+    tensor's type (default: F32); `pre` names the BPE pre-tokenizer (llama.cpp's names)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     weights = weights if weights is not None else float_weights(hf_dir)
@@ -130,7 +130,7 @@ def write_gguf(hf_dir: str, path: str, types=None, weights: dict | None = None, 
     scaling = cfg.get("rope_scaling") or {}
     if arch == "llama" and scaling.get("rope_type") == "llama3":  # as the converter: per-frequency factors
         extra_tensors = {"rope_freqs.weight": llama3_rope_factors(cfg, head_dim), **(extra_tensors or {})}
-    _add_tokenizer(writer, hf_dir)
+    _add_tokenizer(writer, hf_dir, pre)
     for hf, value in weights.items():
         kind = "F32" if types is None or value.ndim == 1 else types(hf, value)
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
@@ -147,11 +147,17 @@ def write_gguf(hf_dir: str, path: str, types=None, weights: dict | None = None, 
 
 
 def float_weights(hf_dir: str) -> dict[str, np.ndarray]:
-    """A safetensors checkpoint's tensors as float32 (bfloat16 ones too, which numpy cannot read)."""
+    """A safetensors checkpoint's tensors (one file or shards) as float32, bfloat16 ones too (numpy
+    cannot read those)."""
+    import glob
+
     from safetensors import safe_open
 
-    with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="paddle") as f:
-        return {name: f.get_tensor(name).astype("float32").numpy() for name in f.keys()}
+    out = {}
+    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        with safe_open(path, framework="paddle") as f:
+            out.update({name: f.get_tensor(name).astype("float32").numpy() for name in f.keys()})
+    return out
 
 
 def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
@@ -173,23 +179,27 @@ def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
     return np.asarray(factors, dtype=np.float32)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: str, pre: str) -> None:
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        size = json.load(f)["vocab_size"]
     vocab = tok["model"]["vocab"]
-    tokens = [None] * len(vocab)
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    tokens = [f"[PAD{i}]" for i in range(max(size, len(vocab), max(added, default=0) + 1))]  # as the converter pads
     for text, i in vocab.items():
         tokens[i] = text
-    added = {t["id"]: t for t in tok["added_tokens"]}
+    for i, t in added.items():
+        tokens[i] = t["content"]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in added and added[i]["special"] else 1 for i in range(len(tokens))])
+    writer.add_token_types([3 if i in added and added[i]["special"] else 1 if i in added or t in vocab else 5
+                            for i, t in enumerate(tokens)])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_eos_token_id(vocab[tok_cfg["eos_token"]] if tok_cfg["eos_token"] in vocab
-                            else next(i for i, t in added.items() if t["content"] == tok_cfg["eos_token"]))
+    writer.add_eos_token_id(tokens.index(tok_cfg["eos_token"]))
     writer.add_add_bos_token(False)
     template = os.path.join(hf_dir, "chat_template.jinja")
     if os.path.isfile(template):
