@@ -76,7 +76,7 @@ def seven_b(out: str, tokenizer_dir: str) -> None:
         add(value)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
-    _add_tokenizer(writer, tokenizer_dir, "qwen2")
+    _add_tokenizer(writer, tokenizer_dir, "qwen2", vocab_size=s["vocab"])
     tensors = {"token_embd.weight": ("Q4_K", s["vocab"], s["hidden"]), "output.weight": ("Q6_K", s["vocab"], s["hidden"]),
                "output_norm.weight": ("F32", s["hidden"], 0)}
     n = s["layers"]

@@ -2,14 +2,15 @@
 
 `--model` may name a `.gguf` file, the first part of a split model (`name-00001-of-00003.gguf`:
 the other parts are found beside it), or a directory holding one model's GGUF file(s) and no
-`config.json`. The file is read with the `gguf` package (llama.cpp's own reader): the metadata
-becomes a Hugging Face `config.json` dictionary (`hf_config`), so `ModelConfig.from_dict` checks a
-GGUF model exactly as it checks a safetensors one; tensors are read one at a time with plain reads
-(not through the reader's memory map, whose pages would stay resident beside the copies the engine
-keeps), under their Hugging Face names.
+`config.json`. The header is parsed here (`read_header`, with the `gguf` package's type names and
+block sizes, and held equal to its reader by the tests): the metadata becomes a Hugging Face
+`config.json` dictionary (`hf_config`), so `ModelConfig.from_dict` checks a GGUF model exactly as
+it checks a safetensors one; tensors are read one at a time with plain reads (not through a
+memory map, whose pages would stay resident beside the copies the engine keeps), under their
+Hugging Face names.
 
 llama.cpp's converter stores the q and k rows of `llama` models permuted for its interleaved RoPE;
-`hf_tensor_rows` undoes that (rows are whole blocks, so quantized rows move as they are).
+`GGUFModel.hf_rows` undoes that (rows are whole blocks, so quantized rows move as they are).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import collections
 import functools
 import glob
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -91,6 +94,98 @@ def open_model(files: list[str]) -> "GGUFModel":
     return _open(tuple(files))
 
 
+# GGUF value types (the spec's numbering): struct formats of the scalars; 8 string, 9 array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: str) -> tuple[dict, list[TensorInfo]]:
+    """A GGUF file's metadata (key -> Python value) and tensor infos, parsed from its header.
+
+    Not through `gguf.GGUFReader`, which builds a numpy view per element of every array: 12.7 s
+    for a 152k-token vocabulary and its merges (every Llama 3 and Qwen file), 0.4 s here. The type
+    names and block sizes are the `gguf` package's; `tests/test_gguf.py` holds the two readers to
+    the same fields and tensors."""
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            return _parse(data, path, gguf)
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+            raise GGUFError(f"model: {os.path.basename(path)!r} is not a readable GGUF file ({e}); a truncated or "
+                            f"corrupt download?") from e
+
+
+def _parse(data, path: str, gguf) -> tuple[dict, list[TensorInfo]]:
+    if data[:4] != _MAGIC:
+        raise ValueError("no GGUF magic")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian or unknown); versions 2 and 3 are read")
+    at = 24
+
+    def string() -> str:
+        nonlocal at
+        (length,) = struct.unpack_from("<Q", data, at)
+        text = bytes(data[at + 8:at + 8 + length]).decode("utf-8", errors="replace")
+        at += 8 + length
+        return text
+
+    def value(kind: int):
+        nonlocal at
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if item == _STRING:
+                return [string() for _ in range(count)]
+            if item == _ARRAY:
+                return [value(_ARRAY) for _ in range(count)]
+            dtype = np.dtype(_SCALARS[item]).newbyteorder("<")
+            items = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+            at += count * dtype.itemsize
+            return items.tolist()
+        (scalar,) = struct.unpack_from("<" + _SCALARS[kind], data, at)
+        at += struct.calcsize(_SCALARS[kind])
+        return scalar
+
+    fields = {}
+    for _ in range(kv_count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, at)
+        at += 4
+        fields[key] = value(kind)
+    infos = []
+    for _ in range(tensor_count):
+        name = string()
+        (dims,) = struct.unpack_from("<I", data, at)
+        shape = struct.unpack_from(f"<{dims}Q", data, at + 4)
+        kind, offset = struct.unpack_from("<IQ", data, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        infos.append((name, shape, kind, offset))
+    alignment = int(fields.get("general.alignment", 32))
+    return fields, _tensor_infos(infos, -(-at // alignment) * alignment, len(data), path, gguf)
+
+
+def _tensor_infos(infos: list[tuple], start: int, file_size: int, path: str, gguf) -> list[TensorInfo]:
+    """(name, GGML shape, type id, offset) as `TensorInfo`s, in the file of `file_size` bytes whose
+    tensor data begins at `start`."""
+    tensors = []
+    known = {t.value: t for t in gguf.GGMLQuantizationType}
+    for name, shape, kind, offset in infos:
+        if kind not in known:  # a type newer than the gguf package: refused by the loader, naming the tensor
+            tensors.append(TensorInfo(name, f"type {kind}", tuple(int(n) for n in reversed(shape)), path, start + offset, 0))
+            continue
+        block, block_bytes = gguf.GGML_QUANT_SIZES[known[kind]]
+        nbytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+        if start + offset + nbytes > file_size:
+            raise ValueError(f"tensor {name!r} ends past the end of the file")
+        tensors.append(TensorInfo(name, known[kind].name, tuple(int(n) for n in reversed(shape)), path, start + offset,
+                                  nbytes))
+    return tensors
+
+
 def _is_gguf(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == _MAGIC
@@ -110,30 +205,19 @@ class GGUFModel:
     """One model's GGUF file(s): metadata, tensors, and the Hugging Face view of both."""
 
     def __init__(self, files: list[str]):
-        import gguf
-
         self.files = files
         self.path = files[0]
-        readers = []
-        for f in files:
-            try:
-                readers.append(gguf.GGUFReader(f))
-            except (ValueError, IndexError, KeyError, OSError) as e:  # what the reader raises on a cut file
-                raise GGUFError(f"model: {os.path.basename(f)!r} is not a readable GGUF file ({e}); a truncated or "
-                                f"corrupt download?") from e
-        self.fields = readers[0].fields
+        self.fields: dict = {}
         self.tensors: dict[str, TensorInfo] = {}
-        for path, reader in zip(files, readers):
-            for t in reader.tensors:
-                shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-                self.tensors[t.name] = TensorInfo(t.name, t.tensor_type.name, shape, path, int(t.data_offset),
-                                                  int(t.n_bytes))
-        del readers  # their memory maps: metadata is copied out by `value` as it is read
+        for i, path in enumerate(files):
+            fields, tensors = read_header(path)
+            if i == 0:
+                self.fields = fields
+            self.tensors.update((t.name, t) for t in tensors)
 
     def value(self, key: str, default=None):
         """A metadata value as Python (str, number, list), or `default` if the file has no such key."""
-        field = self.fields.get(key)
-        return default if field is None else field.contents()
+        return self.fields.get(key, default)
 
     @cached_property
     def architecture(self) -> str:

@@ -179,13 +179,15 @@ def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
     return np.asarray(factors, dtype=np.float32)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: str, pre: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: str, pre: str, vocab_size: int | None = None) -> None:
+    """`hf_dir`'s tokenizer, its token list padded to the embedding's `vocab_size` rows (default:
+    its config's)."""
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        size = json.load(f)["vocab_size"]
+        size = vocab_size or json.load(f)["vocab_size"]
     vocab = tok["model"]["vocab"]
     added = {t["id"]: t for t in tok["added_tokens"]}
     tokens = [f"[PAD{i}]" for i in range(max(size, len(vocab), max(added, default=0) + 1))]  # as the converter pads

