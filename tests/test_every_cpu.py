@@ -73,3 +73,13 @@ def test_kernel_unit_tests_pass_on_an_avx2_only_cpu():
                           "-k", "matches or argmax or transpose or refused or slice"], mode="1", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_block_format_kernels_are_right_on_an_avx2_only_cpu():
+    """The GGUF block formats' AVX2 and portable builds where the process sees no AVX-512: every
+    format's dequantization, the integer GEMV and widened panels of the K formats, mixed parts."""
+    done = run(EMULATED, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_block_formats.py",
+                          "-k", "(Q4_0 or Q4_K or Q6_K or dequantize or several or embedding) and not W4G128"],
+               mode="1", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout

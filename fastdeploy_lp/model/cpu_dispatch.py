@@ -24,12 +24,13 @@ gate/up weight); the rest is measured as above.
 
 Each decision compares 5 interleaved timings of each side by the mean of their three fastest (noise
 only adds time; no single sample decides), and the kernel wins only if it is lower, but for
-`linear`, where it wins within `FUSED_LAYER_EDGE`: the one-call decoder layers (`fused_layer.py`)
+`linear`, where it wins within `FUSED_LAYER_EDGE` (and the decode buckets of rotary, swiglu and
+attention, within `FUSED_OP_EDGE`): the one-call decoder layers (`fused_layer.py`)
 run only with the kernel linear, and their saving, which a per-op timing cannot see, is 7-15% of a
 batch-1 step on the bench model (every layer in one call; AVX2 build: 11.9 tok/s with every kernel
 against 11.1 on an `auto` that had kept MKL's GEMV for one row, within noise of the kernel: at a 5%
 edge one calibration in three did so). The choices are cached beside the compiled library, keyed
-by the model's shapes and the thread count, so the calibration (0.2-0.6 s) happens once per machine and
+by the model's shapes, the thread count and `PLAN_VERSION`, so the calibration (0.2-0.6 s) happens once per machine and
 model, and they are logged once per process.
 """
 
@@ -56,6 +57,13 @@ logger = logging.getLogger(__name__)
 SAMPLES = 5
 SET_BYTES = 32 << 20  # weights one linear timing reads; sets are read in turn so none is cache-hot
 FUSED_LAYER_EDGE = 0.10  # the linear kernel wins unless Paddle's op is this much faster
+# The decode kernels the fused layers chain besides linear (rotary, swiglu, attention) win unless
+# Paddle's op is twice as fast: they take microseconds a layer, where timing noise decides, while
+# the fused call they enable saves the Python between them, a millisecond and more a step. A
+# calibration that kept Paddle's swiglu and rotary for decode (noise on a shared machine) ran
+# SmolLM2 at 24 tok/s instead of 92 (30 layers, AVX2 EPYC).
+FUSED_OP_EDGE = 1.0
+PLAN_VERSION = 2  # in the cache key: a change of these rules measures again
 _logged: set[str] = set()
 
 
@@ -133,7 +141,8 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
                 lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)], edge=FUSED_LAYER_EDGE)
         for bucket, rows in (("decode", 32), ("prefill", 256)):
             gate_up = paddle.randn([rows, width])
-            plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up))
+            plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up),
+                                                    edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
         logits = paddle.randn([8, cfg.vocab_size])
         plan["argmax:all"] = _kernel_wins(lambda: kernels.argmax(logits), lambda: paddle.argmax(logits, axis=-1))
         span = min(256, model.rotary.cos.shape[0])  # positions the model's rotary table holds
@@ -143,13 +152,14 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             if attn.q_norm is None:  # the rotary kernel has no q/k norm
                 plan[f"rotary:{bucket}"] = _kernel_wins(
                     lambda: attn.rotate_and_store_kernel(kernels, qkv, batch, model.rotary, cache),
-                    lambda: attn.rotate_and_store(qkv, batch, model.rotary, cache))
+                    lambda: attn.rotate_and_store(qkv, batch, model.rotary, cache),
+                    edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
             group = batch.groups[0]
             q = paddle.randn([seqs * new, attn.num_heads, attn.head_dim])
             plan[f"attention:{bucket}"] = _kernel_wins(
                 lambda: kernels.paged_attention(q, *cache, *group.kernel_inputs[:2], new, group.kernel_inputs[2],
                                                 attn.num_kv_heads, block_size, attn.scale),
-                lambda: attn.gathered_attention(q, group, *cache))
+                lambda: attn.gathered_attention(q, group, *cache), edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
     return plan
 
 
@@ -199,8 +209,9 @@ def _signature(model, block_size: int) -> str:
     shapes = [tuple(w.shape) for w in (attn.qkv_weight, attn.o_weight, model.layers[0].mlp.gate_up_weight,
                                        model.layers[0].mlp.down_weight)]
     formats = sorted({str(layout) for layout in cfg.weight_layouts.values()})
-    return json.dumps([shapes, str(attn.qkv_weight.dtype), formats, cfg.vocab_size, len(model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       attn.q_norm is None, block_size, cpu_kernels.threads()])
+    return json.dumps([PLAN_VERSION, shapes, str(attn.qkv_weight.dtype), formats, cfg.vocab_size, len(model.layers),
+                       attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm is None, block_size,
+                       cpu_kernels.threads()])
 
 
 def _read(store) -> dict[str, dict[str, bool]]:
