@@ -364,6 +364,27 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* out[j] = the sum of v[j]'s lanes, j < 8: one transposing reduction (six horizontal adds and a
+ * cross-lane add) where eight lane sums would take five steps each. */
+static inline void lane_sums8(const vec v[8], float *out) {
+#if defined(__AVX2__)
+    __m256 h[8];
+    for (int j = 0; j < 8; j++) {
+#if LANES == 16
+        __m512 wide = (__m512)v[j];
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(wide), _mm512_extractf32x8_ps(wide, 1));
+#else
+        h[j] = (__m256)v[j];
+#endif
+    }
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
+#else
+    for (int j = 0; j < 8; j++) out[j] = lane_sum(v[j]);
+#endif
+}
+
 /* row[0:len] = softmax(row[0:len]), the exponentials 16 at a time. */
 static void softmax_row(float *row, int64_t len) {
     float top = -INFINITY, total = 0.f;
@@ -426,7 +447,26 @@ void fdlp_paged_attention(const float *q, const float *k_cache, const float *v_c
         const float *qg = q + (token * heads + g * per_kv) * dim; /* this group's per_kv query rows */
         float *o = out + (token * heads + g * per_kv) * dim;
         float *scores = scratch + (int64_t)omp_get_thread_num() * per_kv * max_len;
-        for (int64_t t = 0; t < len; t++) {
+        int64_t t = 0;
+        /* eight keys at a time against each query head: their dot products end in one reduction
+         * (lane_sums8), where one per key cost more than the products themselves at head_dim 64 */
+        for (; dim % LANES == 0 && t + 8 <= len; t += 8) {
+            const float *keys[8];
+            for (int j = 0; j < 8; j++)
+                keys[j] = k_cache + ((table[(t + j) / block_size] * kv_heads + g) * block_size + (t + j) % block_size) * dim;
+            for (int64_t h = 0; h < per_kv; h++) {
+                const float *qh = qg + h * dim;
+                vec acc[8] = {{0}};
+                for (int64_t d = 0; d < dim; d += LANES) {
+                    vec qv = load(qh + d);
+                    for (int j = 0; j < 8; j++) acc[j] += qv * load(keys[j] + d);
+                }
+                float *out = scores + h * max_len + t;
+                lane_sums8(acc, out);
+                for (int j = 0; j < 8; j++) out[j] *= scale;
+            }
+        }
+        for (; t < len; t++) {
             const float *key = k_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
             for (int64_t h = 0; h < per_kv; h++) scores[h * max_len + t] = scale * dot(qg + h * dim, key, dim);
         }
