@@ -90,6 +90,7 @@ def test_calibration_measures_every_op_and_is_cached(tmp_path, monkeypatch, capl
     library = tmp_path / "cpu_kernels-x.so"
     monkeypatch.setattr(kernels, "path", library)
     monkeypatch.setattr(cpu_dispatch, "_logged", set())
+    monkeypatch.setattr(cpu_dispatch, "_other_processes_load", lambda: lambda: 0.0)  # a quiet machine
     model = load_model(FDConfig.create(device="cpu").model_config, max_positions=100)  # a context under 256
     with caplog.at_level(logging.INFO, logger="fastdeploy_lp.model.cpu_dispatch"):
         plan = cpu_dispatch.prepare(model, 16)
@@ -101,6 +102,29 @@ def test_calibration_measures_every_op_and_is_cached(tmp_path, monkeypatch, capl
     assert (tmp_path / "cpu_kernels-x.plans.json").exists()
     assert "measured in" in caplog.text and caplog.text.count("CPU kernels for") == 1
     assert cpu_kernels._plan == plan
+
+
+def test_a_plan_timed_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch, caplog):
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_kernels, "_mode", "auto")
+    monkeypatch.setattr(kernels, "path", tmp_path / "cpu_kernels-x.so")
+    monkeypatch.setattr(cpu_dispatch, "_other_processes_load", lambda: lambda: 0.5)
+    model = load_model(FDConfig.create(device="cpu").model_config, max_positions=100)
+    with caplog.at_level(logging.INFO, logger="fastdeploy_lp.model.cpu_dispatch"):
+        plan = cpu_dispatch.prepare(model, 16)
+    assert cpu_kernels._plan == plan and plan
+    assert not (tmp_path / "cpu_kernels-x.plans.json").exists()
+    assert "other processes used 50% of the CPUs" in caplog.text
+
+
+def test_the_load_of_other_processes_is_read_from_the_machine():
+    share = cpu_dispatch._other_processes_load()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # this process's own work is not counted
+        pass
+    assert 0.0 <= share() < 1.0
 
 
 def test_a_bad_mode_is_refused_at_start():

@@ -31,7 +31,8 @@ batch-1 step on the bench model (every layer in one call; AVX2 build: 11.9 tok/s
 against 11.1 on an `auto` that had kept MKL's GEMV for one row, within noise of the kernel: at a 5%
 edge one calibration in three did so). The choices are cached beside the compiled library, keyed
 by the model's shapes, the thread count and `PLAN_VERSION`, so the calibration (0.2-0.6 s) happens once per machine and
-model, and they are logged once per process.
+model, and they are logged once per process. A calibration during which other processes kept
+more than `BUSY_MACHINE` of the CPUs busy is used but not cached: it is measured again at the next start.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ FUSED_LAYER_EDGE = 0.10  # the linear kernel wins unless Paddle's op is this muc
 # SmolLM2 at 24 tok/s instead of 92 (30 layers, AVX2 EPYC).
 FUSED_OP_EDGE = 1.0
 PLAN_VERSION = 2  # in the cache key: a change of these rules measures again
+# A plan timed while other processes used more than this share of the CPUs is not cached: a
+# package install on one of two cores made Paddle's GEMV look faster than the kernel's, and the
+# cached choice then ran float32 batch 1 at 3.6 tok/s instead of 8 for good (AVX2 EPYC).
+BUSY_MACHINE = 0.15
 _logged: set[str] = set()
 
 
@@ -80,10 +85,15 @@ def prepare(model, block_size: int) -> dict[str, bool] | None:
     plans = _read(store)
     plan, where = plans.get(signature), f"cached in {store}"
     if plan is None:
-        start = time.perf_counter()
+        start, others = time.perf_counter(), _other_processes_load()
         plan = calibrate(kernels, model, block_size)
         where = f"measured in {time.perf_counter() - start:.2f} s"
-        _write(store, {**_read(store), signature: plan})
+        busy = others()
+        if busy > BUSY_MACHINE:
+            logger.warning("other processes used %.0f%% of the CPUs while the kernels were timed: the choice below "
+                           "is used by this process only and measured again at the next start", 100 * busy)
+        else:
+            _write(store, {**_read(store), signature: plan})
     cpu_kernels.use_plan(plan)
     if signature not in _logged:
         _logged.add(signature)
@@ -212,6 +222,31 @@ def _signature(model, block_size: int) -> str:
     return json.dumps([PLAN_VERSION, shapes, str(attn.qkv_weight.dtype), formats, cfg.vocab_size, len(model.layers),
                        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm is None, block_size,
                        cpu_kernels.threads()])
+
+
+def _other_processes_load() -> Callable[[], float]:
+    """Start watching the machine; the call returned gives the share of all CPUs that other
+    processes kept busy since (from /proc/stat less this process's CPU time; 0 where there is no
+    /proc/stat)."""
+    def busy_ticks() -> int | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(fields[:8]) - fields[3] - fields[4]  # user .. steal, less idle and iowait
+
+    hz, cpus = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    start_busy, start_own, start = busy_ticks(), sum(os.times()[:2]), time.perf_counter()
+
+    def share() -> float:
+        end_busy = busy_ticks()
+        if start_busy is None or end_busy is None:
+            return 0.0
+        own = (sum(os.times()[:2]) - start_own) * hz
+        return max(0.0, end_busy - start_busy - own) / max(1.0, (time.perf_counter() - start) * hz * cpus)
+
+    return share
 
 
 def _read(store) -> dict[str, dict[str, bool]]:
