@@ -103,6 +103,35 @@ def test_unknown_nested_fields_are_reported_like_top_level_ones(server):
         r.read()
 
 
+BODIES = {"/v1/chat/completions": chat(), "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+          "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
+          "/v1/messages": {"model": "qwen2", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_unknown_field_names_of_any_characters_are_percent_encoded_in_the_header(server, path):
+    names = ["名前", "a\r\nX-Injected: 1", "nul\x00", "comma,name", "100%"]
+    body = {**BODIES[path], **{name: 1 for name in names}}
+    r = post(server, content=json.dumps(body).encode(), path=path)
+    assert r.status_code == 200, r.text
+    assert "x-injected" not in r.headers
+    assert set(r.headers["x-fastdeploy-lp-ignored-fields"].split(",")) == {
+        "%E5%90%8D%E5%89%8D", "a%0D%0AX-Injected:%201", "nul%00", "comma%2Cname", "100%25"}
+
+
+def test_a_client_that_leaves_a_non_streamed_request_logs_no_traceback(server):
+    before = server.log()
+    for _ in range(5):
+        with pytest.raises(httpx.TimeoutException):  # the client gives up mid-generation
+            httpx.post(server.url("/v1/chat/completions"),  # 0.05 s a step: 2 s of generation
+                       json=chat(max_tokens=40, ignore_eos=True, logits_processors_args={"sleep_s": 0.05}),
+                       headers=AUTH, timeout=0.3)
+    time.sleep(1.0)
+    assert_serves(server)
+    new = server.log()[len(before):]
+    assert "Traceback" not in new and "InvalidStateError" not in new, new
+
+
 # -- security edges ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/v1/models"])
 def test_with_an_api_key_only_health_and_metrics_are_open(server, path):

@@ -44,7 +44,10 @@ async def engine_stopped(_, exc: EngineNotServingError):  # the engine stopped w
     return JSONResponse(err.body(), status_code=503, headers=RETRY_LATER)
 
 
-async def client_gone(_, exc: ClientDisconnected):
+async def client_gone(request, exc: ClientDisconnected):
+    # Routine (a closed tab, a client timeout): one line, no traceback; its requests were aborted.
+    logger.info("%s %s: the client disconnected before the response; its requests were aborted",
+                request.method, request.url.path)
     return Response(status_code=499)
 
 

@@ -74,7 +74,27 @@ def ignored_fields_header(request: Request, body) -> dict[str, str]:
     if request.app.state.settings.strict_fields:
         raise bad_request(f"{unknown[0]}: unknown field (the server runs with --strict-fields); "
                           f"unknown fields: {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
-    return {IGNORED_FIELDS_HEADER: ",".join(unknown)}
+    return {IGNORED_FIELDS_HEADER: header_value(unknown)}
+
+
+MAX_IGNORED_HEADER = 2048  # characters: the names past it are counted, not listed
+
+
+def header_value(names: list[str]) -> str:
+    """`names` comma-separated as a header value that cannot fail to encode or split a response:
+    printable ASCII stays as it is, every other character (and `,` and `%`) is percent-encoded as
+    UTF-8 (RFC 3986), so a name with CR, LF, NUL or non-latin-1 letters arrives as `%E5%90%8D`.
+    Past MAX_IGNORED_HEADER characters the rest is summarised as `...(+N more)`."""
+    out, length = [], 0
+    for i, name in enumerate(names):
+        encoded = "".join(c if "!" <= c <= "~" and c not in ",%" else
+                          "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass")) for c in name)
+        if length + len(encoded) > MAX_IGNORED_HEADER:
+            out.append(f"...(+{len(names) - i} more)")
+            break
+        out.append(encoded)
+        length += len(encoded) + 1
+    return ",".join(out)
 
 
 def json_depth(value) -> int:

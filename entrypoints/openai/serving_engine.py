@@ -241,12 +241,11 @@ async def final_outputs(streams: list[RequestStream], request: Request) -> list[
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not work.done():
-            work.cancel()
-            for s in streams:
-                s.abort()
         watcher.cancel()
-    if work.cancelled():
+        if not work.done():  # the client left (or the server is stopping): the task ends cancelled
+            work.cancel()
+            abort_all(streams)
+    if not work.done() or work.cancelled():  # cancel() only asks: its result is never there
         raise ClientDisconnected()
     return work.result()
 
