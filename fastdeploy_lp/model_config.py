@@ -212,9 +212,18 @@ class ModelConfig:
         )
 
 
+# `model_type` of the supported architectures, read where a config lists no `architectures`
+# (configs written by hand or by converters, as transformers itself reads them).
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def _read_architecture(cfg: dict[str, Any], model_dir: str) -> str:
-    """The first of the config's `architectures` that the decoder implements."""
+    """The first of the config's `architectures` that the decoder implements; without any listed,
+    the one its `model_type` names."""
     archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:
+        return ARCHITECTURE_OF_MODEL_TYPE[cfg["model_type"]]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(

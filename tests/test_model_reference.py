@@ -128,6 +128,19 @@ def test_unsupported_architecture_and_missing_files_fail_clearly(tmp_path):
         ModelConfig.from_pretrained(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.parametrize("fixture, arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                           ("qwen3", "Qwen3ForCausalLM")])
+def test_a_config_without_architectures_is_read_by_its_model_type(tmp_path, fixture, arch):
+    out = _copy_fixture(fixture, tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("architectures")
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_pretrained(str(out)).architecture == arch
+    (out / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*LlamaForCausalLM"):
+        ModelConfig.from_pretrained(str(out))
+
+
 def test_both_config_styles_and_generation_config_are_read():
     new_style = ModelConfig.from_pretrained(fixture_dir("llama"))
     old_style = ModelConfig.from_pretrained(fixture_dir("llama3-rope"))
