@@ -196,16 +196,16 @@ static int BFN(block_panels)(const float *x, const uint8_t *w, const float *bias
                 const float *xm = x + m0 * k_len;
                 float *ym = y + m0 * ldy + n0;
                 switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
-                    case 1: rows_times_f32(xm, buffer, NULL, ym, 1, k_len, 0, rows, ldy); break;
-                    case 2: rows_times_f32(xm, buffer, NULL, ym, 2, k_len, 0, rows, ldy); break;
-                    case 3: rows_times_f32(xm, buffer, NULL, ym, 3, k_len, 0, rows, ldy); break;
+                    case 1: rows_times_f32(xm, buffer, NULL, ym, 1, k_len, 0, rows, ldy, NULL, 0); break;
+                    case 2: rows_times_f32(xm, buffer, NULL, ym, 2, k_len, 0, rows, ldy, NULL, 0); break;
+                    case 3: rows_times_f32(xm, buffer, NULL, ym, 3, k_len, 0, rows, ldy, NULL, 0); break;
 #if X_ROWS > 4
-                    case 4: rows_times_f32(xm, buffer, NULL, ym, 4, k_len, 0, rows, ldy); break;
-                    case 5: rows_times_f32(xm, buffer, NULL, ym, 5, k_len, 0, rows, ldy); break;
-                    case 6: rows_times_f32(xm, buffer, NULL, ym, 6, k_len, 0, rows, ldy); break;
-                    case 7: rows_times_f32(xm, buffer, NULL, ym, 7, k_len, 0, rows, ldy); break;
+                    case 4: rows_times_f32(xm, buffer, NULL, ym, 4, k_len, 0, rows, ldy, NULL, 0); break;
+                    case 5: rows_times_f32(xm, buffer, NULL, ym, 5, k_len, 0, rows, ldy, NULL, 0); break;
+                    case 6: rows_times_f32(xm, buffer, NULL, ym, 6, k_len, 0, rows, ldy, NULL, 0); break;
+                    case 7: rows_times_f32(xm, buffer, NULL, ym, 7, k_len, 0, rows, ldy, NULL, 0); break;
 #endif
-                    default: rows_times_f32(xm, buffer, NULL, ym, X_ROWS, k_len, 0, rows, ldy);
+                    default: rows_times_f32(xm, buffer, NULL, ym, X_ROWS, k_len, 0, rows, ldy, NULL, 0);
                 }
             }
             if (bias)

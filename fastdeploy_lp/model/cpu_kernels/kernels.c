@@ -32,6 +32,9 @@
 #define WEIGHT_ROWS 2
 #endif
 
+#ifndef PREFETCH_NEXT
+#define PREFETCH_NEXT 1
+#endif
 typedef float vec __attribute__((vector_size(LANES * 4), aligned(4))); /* unaligned access */
 typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
 

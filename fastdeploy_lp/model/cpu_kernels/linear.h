@@ -29,10 +29,13 @@
 static inline __attribute__((always_inline)) void NAME(rows_times)(const float *x, const WEIGHT *w,
                                                                    const float *scale, float *y, const int rows,
                                                                    int64_t k_len, int64_t n0, int64_t n1,
-                                                                   int64_t ldy) {
+                                                                   int64_t ldy, const char *next, int64_t next_lines) {
     enum { WR = WEIGHT_ROWS, AHEAD = 8192 / sizeof(WEIGHT), LINE = 64 / sizeof(WEIGHT) };
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
     int64_t stride = (n1 - n0 + WR - 1) / WR; /* row r of a pass is stride rows after row r - 1: long streams */
+    /* `next_lines` lines from `next` (the weight block the caller multiplies next) are prefetched
+     * spread over this pass, `per` at each line of its own weight rows, so memory streams while it computes */
+    int64_t points = stride * ((k_full + LINE - 1) / LINE), per = points ? (next_lines + points - 1) / points : 0;
     for (int64_t i = 0; i < stride; i++) {
         int64_t at[WR];
         int valid[WR];
@@ -51,6 +54,8 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
                 v[r] = NAME(load_w)(wr[r] + k);
                 if (k % LINE == 0) __builtin_prefetch(wr[r] + k + AHEAD); /* one per 64-byte line */
             }
+            if (next_lines > 0 && k % LINE == 0)
+                for (int64_t j = 0; j < per && next_lines > 0; j++, next_lines--, next += 64) __builtin_prefetch(next);
             for (int m = 0; m < rows; m++) {
                 vec xv = load(x + m * k_len + k);
                 for (int r = 0; r < WR; r++) a[r][m] += v[r] * xv;
@@ -168,7 +173,9 @@ static void NAME(split_vector_times)(const float *x, const float *xs, const WEIG
 
 /* Weight rows [n0, n1) of the linear below, for every row of x (xs: x permuted, or NULL). */
 static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, const float *scale, const float *bias,
-                              float *y, int64_t m_len, int64_t ldy, int64_t k_len, int64_t n0, int64_t n1) {
+                              float *y, int64_t m_len, int64_t ldy, int64_t k_len, int64_t n0, int64_t n1,
+                              const char *next, int64_t next_lines) {
+    int64_t tiles = (m_len + X_ROWS - 1) / X_ROWS, share = (next_lines + tiles - 1) / tiles; /* per tile of x */
 #ifdef SPLIT
     if (m_len == 1 && xs) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
     else if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
@@ -180,16 +187,16 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
         const float *xm = x + m0 * k_len;
         float *ym = y + m0 * ldy;
         switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
-            case 1: NAME(rows_times)(xm, w, scale, ym, 1, k_len, n0, n1, ldy); break;
-            case 2: NAME(rows_times)(xm, w, scale, ym, 2, k_len, n0, n1, ldy); break;
-            case 3: NAME(rows_times)(xm, w, scale, ym, 3, k_len, n0, n1, ldy); break;
+            case 1: NAME(rows_times)(xm, w, scale, ym, 1, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
+            case 2: NAME(rows_times)(xm, w, scale, ym, 2, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
+            case 3: NAME(rows_times)(xm, w, scale, ym, 3, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
 #if X_ROWS > 4
-            case 4: NAME(rows_times)(xm, w, scale, ym, 4, k_len, n0, n1, ldy); break;
-            case 5: NAME(rows_times)(xm, w, scale, ym, 5, k_len, n0, n1, ldy); break;
-            case 6: NAME(rows_times)(xm, w, scale, ym, 6, k_len, n0, n1, ldy); break;
-            case 7: NAME(rows_times)(xm, w, scale, ym, 7, k_len, n0, n1, ldy); break;
+            case 4: NAME(rows_times)(xm, w, scale, ym, 4, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
+            case 5: NAME(rows_times)(xm, w, scale, ym, 5, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
+            case 6: NAME(rows_times)(xm, w, scale, ym, 6, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
+            case 7: NAME(rows_times)(xm, w, scale, ym, 7, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share); break;
 #endif
-            default: NAME(rows_times)(xm, w, scale, ym, X_ROWS, k_len, n0, n1, ldy);
+            default: NAME(rows_times)(xm, w, scale, ym, X_ROWS, k_len, n0, n1, ldy, next + (m0 / X_ROWS) * share * 64, share);
         }
     }
     if (bias)
@@ -217,9 +224,13 @@ static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, co
         share += (6 - share % 6) % 6;
         int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
         if (m_len <= X_ROWS && start < end) /* one tile of x reads each row once: the whole share, in long streams */
-            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, start, end);
-        for (int64_t n0 = start; m_len > X_ROWS && n0 < end; n0 += block)
-            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, n0, n0 + block < end ? n0 + block : end);
+            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, start, end, NULL, 0);
+        for (int64_t n0 = start; m_len > X_ROWS && n0 < end; n0 += block) {
+            /* the next block streams in from memory while this one's tiles of x compute from L2 */
+            int64_t n1 = n0 + block < end ? n0 + block : end, n2 = n1 + block < end ? n1 + block : end;
+            NAME(linear_rows)(x, xs, w, scale, bias, y, m_len, ldy, k_len, n0, n1, (const char *)(w + n1 * k_len),
+                              PREFETCH_NEXT ? (int64_t)((n2 - n1) * k_len * sizeof(WEIGHT) / 64) : 0);
+        }
     }
 }
 
