@@ -144,6 +144,14 @@ LARGE_BODIES = [
 ]
 
 
+def test_the_stop_limit_holds_for_anthropic_stop_sequences(server):
+    body = {"model": "m", "max_tokens": 4, "messages": [user("Hi")], "stop_sequences": [f"s{i}" for i in range(60000)]}
+    r = post(server, "/v1/messages", body)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["type"] == "error" and "stop_sequences: 60000 entries" in r.json()["error"]["message"]
+    assert "--max-stop" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path,body,param,flag", [b[1:] for b in LARGE_BODIES], ids=[b[0] for b in LARGE_BODIES])
 def test_a_body_over_a_limit_is_a_400_in_under_a_second_beside_a_small_request(server, path, body, param, flag):
     result = _body_beside_a_small_request(server, path, body)

@@ -36,6 +36,7 @@ class RequestLimits:
         self._check_count(body, "input", self.max_messages, "--max-messages")  # /v1/responses' items
         self._check_count(body, "tools", self.max_tools, "--max-tools")
         self._check_count(body, "stop", self.max_stop, "--max-stop")
+        self._check_count(body, "stop_sequences", self.max_stop, "--max-stop")  # /v1/messages' name
         self._check_count(body, "stop_token_ids", self.max_stop, "--max-stop")
         n = body.get("n")
         n = n if _integer(n) else 1
