@@ -29,8 +29,9 @@ import numpy as np
 
 from fastdeploy_lp.block_formats import FORMATS
 
-# GGUF architecture -> the transformers class whose config and weights it carries.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architectures read here: each is also the `model_type` of the transformers config it stands
+# for, which `ModelConfig` maps to its class (`model_config.ARCHITECTURE_OF_MODEL_TYPE`).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _MAGIC = b"GGUF"
 
@@ -249,7 +250,7 @@ class GGUFModel:
         if int(get("attention.value_length", head_dim)) != head_dim:
             raise GGUFError(f"model: {arch}.attention.value_length differs from key_length ({head_dim})")
         config = {
-            "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_size": hidden,
+            "model_type": arch, "hidden_size": hidden,
             "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
             "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
