@@ -64,6 +64,7 @@ FUSED_LAYER_EDGE = 0.10  # the linear kernel wins unless Paddle's op is this muc
 # calibration that kept Paddle's swiglu and rotary for decode (noise on a shared machine) ran
 # SmolLM2 at 24 tok/s instead of 92 (30 layers, AVX2 EPYC).
 FUSED_OP_EDGE = 1.0
+OP_EDGE = {"decode": FUSED_OP_EDGE, "prefill": 0.0}  # per bucket of rotary, swiglu and attention
 PLAN_VERSION = 2  # in the cache key: a change of these rules measures again
 # A plan timed while other processes used more than this share of the CPUs is not cached: a
 # package install on one of two cores made Paddle's GEMV look faster than the kernel's, and the
@@ -152,7 +153,7 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
         for bucket, rows in (("decode", 32), ("prefill", 256)):
             gate_up = paddle.randn([rows, width])
             plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up),
-                                                    edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
+                                                    edge=OP_EDGE[bucket])
         logits = paddle.randn([8, cfg.vocab_size])
         plan["argmax:all"] = _kernel_wins(lambda: kernels.argmax(logits), lambda: paddle.argmax(logits, axis=-1))
         span = min(256, model.rotary.cos.shape[0])  # positions the model's rotary table holds
@@ -163,13 +164,13 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
                 plan[f"rotary:{bucket}"] = _kernel_wins(
                     lambda: attn.rotate_and_store_kernel(kernels, qkv, batch, model.rotary, cache),
                     lambda: attn.rotate_and_store(qkv, batch, model.rotary, cache),
-                    edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
+                    edge=OP_EDGE[bucket])
             group = batch.groups[0]
             q = paddle.randn([seqs * new, attn.num_heads, attn.head_dim])
             plan[f"attention:{bucket}"] = _kernel_wins(
                 lambda: kernels.paged_attention(q, *cache, *group.kernel_inputs[:2], new, group.kernel_inputs[2],
                                                 attn.num_kv_heads, block_size, attn.scale),
-                lambda: attn.gathered_attention(q, group, *cache), edge=FUSED_OP_EDGE if bucket == "decode" else 0.0)
+                lambda: attn.gathered_attention(q, group, *cache), edge=OP_EDGE[bucket])
     return plan
 
 
