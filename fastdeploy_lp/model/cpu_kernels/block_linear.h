@@ -192,25 +192,8 @@ static int BFN(block_panels)(const float *x, const uint8_t *w, const float *bias
         for (int64_t n0 = start; buffer && n0 < end; n0 += panel) {
             int64_t rows = n0 + panel < end ? panel : end - n0;
             BFN(panel_of)(w, row_bytes, n0, rows, k_len, buffer);
-            for (int64_t m0 = 0; m0 < m_len; m0 += X_ROWS) {
-                const float *xm = x + m0 * k_len;
-                float *ym = y + m0 * ldy + n0;
-                switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
-                    case 1: rows_times_f32(xm, buffer, NULL, ym, 1, k_len, 0, rows, ldy, NULL, 0); break;
-                    case 2: rows_times_f32(xm, buffer, NULL, ym, 2, k_len, 0, rows, ldy, NULL, 0); break;
-                    case 3: rows_times_f32(xm, buffer, NULL, ym, 3, k_len, 0, rows, ldy, NULL, 0); break;
-#if X_ROWS > 4
-                    case 4: rows_times_f32(xm, buffer, NULL, ym, 4, k_len, 0, rows, ldy, NULL, 0); break;
-                    case 5: rows_times_f32(xm, buffer, NULL, ym, 5, k_len, 0, rows, ldy, NULL, 0); break;
-                    case 6: rows_times_f32(xm, buffer, NULL, ym, 6, k_len, 0, rows, ldy, NULL, 0); break;
-                    case 7: rows_times_f32(xm, buffer, NULL, ym, 7, k_len, 0, rows, ldy, NULL, 0); break;
-#endif
-                    default: rows_times_f32(xm, buffer, NULL, ym, X_ROWS, k_len, 0, rows, ldy, NULL, 0);
-                }
-            }
-            if (bias)
-                for (int64_t m = 0; m < m_len; m++)
-                    for (int64_t n = n0; n < n0 + rows; n++) y[m * ldy + n] += bias[n];
+            /* the widened panel multiplied as a float32 weight */
+            linear_rows_f32(x, NULL, buffer, NULL, bias ? bias + n0 : NULL, y + n0, m_len, ldy, k_len, 0, rows, NULL, 0);
         }
     }
     return failed ? -1 : 0;
