@@ -32,7 +32,7 @@
 #define WEIGHT_ROWS 2
 #endif
 
-#ifndef PREFETCH_NEXT
+#ifndef PREFETCH_NEXT /* 0: the linear kernels do not prefetch their next block (linear.h), to time the difference */
 #define PREFETCH_NEXT 1
 #endif
 typedef float vec __attribute__((vector_size(LANES * 4), aligned(4))); /* unaligned access */
@@ -367,6 +367,12 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* Row t of KV head g of a sequence in a paged cache ([blocks, KV, block_size, D]; `table` its block ids). */
+static inline const float *cache_row(const float *cache, const int64_t *table, int64_t t, int64_t g, int64_t kv_heads,
+                                     int64_t block_size, int64_t dim) {
+    return cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
+}
+
 /* out[j] = the sum of v[j]'s lanes, j < 8: one transposing reduction (six horizontal adds and a
  * cross-lane add) where eight lane sums would take five steps each. */
 static inline void lane_sums8(const vec v[8], float *out) {
@@ -414,8 +420,7 @@ static void weighted_values(const float *p, const float *v_cache, const int64_t 
             int64_t n = (dim - d0) / LANES < SPAN ? (dim - d0) / LANES : SPAN;
             for (int64_t j = 0; j < n; j++) acc[j] = (vec){0};
             for (int64_t t = 0; t < len; t++) {
-                const float *value =
-                    v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim + d0;
+                const float *value = cache_row(v_cache, table, t, g, kv_heads, block_size, dim) + d0;
                 for (int64_t j = 0; j < n; j++) acc[j] += p[t] * load(value + j * LANES);
             }
             for (int64_t j = 0; j < n; j++) *(vec *)(o + d0 + j * LANES) = acc[j];
@@ -424,7 +429,7 @@ static void weighted_values(const float *p, const float *v_cache, const int64_t 
     }
     memset(o, 0, (size_t)dim * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
-        const float *value = v_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
+        const float *value = cache_row(v_cache, table, t, g, kv_heads, block_size, dim);
         for (int64_t d = 0; d < dim; d++) o[d] += p[t] * value[d];
     }
 }
@@ -456,7 +461,7 @@ void fdlp_paged_attention(const float *q, const float *k_cache, const float *v_c
         for (; dim % LANES == 0 && t + 8 <= len; t += 8) {
             const float *keys[8];
             for (int j = 0; j < 8; j++)
-                keys[j] = k_cache + ((table[(t + j) / block_size] * kv_heads + g) * block_size + (t + j) % block_size) * dim;
+                keys[j] = cache_row(k_cache, table, t + j, g, kv_heads, block_size, dim);
             for (int64_t h = 0; h < per_kv; h++) {
                 const float *qh = qg + h * dim;
                 vec acc[8] = {{0}};
@@ -470,7 +475,7 @@ void fdlp_paged_attention(const float *q, const float *k_cache, const float *v_c
             }
         }
         for (; t < len; t++) {
-            const float *key = k_cache + ((table[t / block_size] * kv_heads + g) * block_size + t % block_size) * dim;
+            const float *key = cache_row(k_cache, table, t, g, kv_heads, block_size, dim);
             for (int64_t h = 0; h < per_kv; h++) scores[h * max_len + t] = scale * dot(qg + h * dim, key, dim);
         }
         for (int64_t h = 0; h < per_kv; h++) softmax_row(scores + h * max_len, len);
