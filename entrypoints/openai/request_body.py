@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -78,6 +79,7 @@ def ignored_fields_header(request: Request, body) -> dict[str, str]:
 
 
 MAX_IGNORED_HEADER = 2048  # characters: the names past it are counted, not listed
+_HEADER_SAFE = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in ",%")  # printable ASCII but the separator
 
 
 def header_value(names: list[str]) -> str:
@@ -87,8 +89,7 @@ def header_value(names: list[str]) -> str:
     Past MAX_IGNORED_HEADER characters the rest is summarised as `...(+N more)`."""
     out, length = [], 0
     for i, name in enumerate(names):
-        encoded = "".join(c if "!" <= c <= "~" and c not in ",%" else
-                          "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass")) for c in name)
+        encoded = quote(name, safe=_HEADER_SAFE)  # bodies with lone surrogates are refused before this
         if length + len(encoded) > MAX_IGNORED_HEADER:
             out.append(f"...(+{len(names) - i} more)")
             break
