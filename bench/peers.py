@@ -259,7 +259,7 @@ class _LlamaBatch:
         return {"ttft_s": float(np.mean(first_times)), "decode_tok_s": len(prompts) * (output_len - 1) / decode}
 
 
-VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+VLLM_DTYPES = ("float32", "bfloat16", "float16")  # fastdeploy_lp's names are vLLM's
 
 
 def vllm_cpu_engine(python: str | None, model_dir: str, max_batch: int, max_len: int,
@@ -270,12 +270,11 @@ def vllm_cpu_engine(python: str | None, model_dir: str, max_batch: int, max_len:
         return None
     peers = []
     for weights in formats:
-        dtype = VLLM_DTYPES.get(weights)
-        if dtype is None:
+        if weights not in VLLM_DTYPES:
             peers.append(Peer("vLLM CPU", weights, skipped="vLLM quantizes only pre-quantized checkpoints "
                               "(AWQ, GPTQ, compressed-tensors), not at load"))
             continue
-        peers.append(Peer(f"vLLM CPU {dtype}", weights, _VllmWorker(python, model_dir, dtype, max_batch, max_len).run))
+        peers.append(Peer(f"vLLM CPU {weights}", weights, _VllmWorker(python, model_dir, weights, max_batch, max_len).run))
     return peers
 
 
