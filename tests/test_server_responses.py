@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from typing import Literal
 
 import agents
@@ -19,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from fastdeploy_lp.config import default_model_path
+from fastdeploy_lp.entrypoints.openai.protocol_responses import ResponsesRequest, prompt_items
 from fastdeploy_lp.entrypoints.openai.responses_store import ResponseStore
 from server_harness import start_server
 from test_server_concurrency import check_leaving_aborts
@@ -202,11 +204,36 @@ def test_store_evicts_the_least_recently_used_past_its_bounds():
             assert store.get("r0") is not None  # a use: r1 is now the oldest
         store.put({"id": f"r{k}"}, [])
     assert store.get("r1") is None and store.get("r0") is not None and store.get("r2") is not None
-    pad = 9_990 - len('{"id":"big","pad":""}[]')  # stored size: the JSON of the response and its conversation
+    pad = 9_990 - 512 - len('{"id":"big","pad":""}[]')  # stored size: the JSON of both and 512 bytes of overhead
     store.put({"id": "big", "pad": "x" * pad}, [])  # within the byte bound only alone
     assert len(store) == 1 and store.get("big") is not None
     store.put({"id": "huge", "pad": "x" * 20_000}, [])  # larger than the bound: not kept
     assert store.get("huge") is None and store.get("big") is not None
+
+
+def test_store_bound_holds_the_memory_of_hostile_items():
+    """Items padded with what the model never sees (unknown keys, annotations, reasoning items,
+    a junk tool schema the response echoes) cost their JSON, not their Python objects (25x more)."""
+    junk = [[] for _ in range(60_000)]
+    body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi", "annotations": junk}],
+                       "junk": junk},
+                      {"type": "reasoning", "summary": [], "junk": junk}],
+            "tools": [{"type": "function", "name": "f", "parameters": {"junk": junk}}], "metadata": {"k": "v"}}
+    bound = 2 << 20
+    store = ResponseStore(max_entries=1000, max_bytes=bound)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(20):
+            req = ResponsesRequest.model_validate(body)
+            store.put({"id": f"r{k}", "tools": req.tools_out(), "metadata": req.metadata},
+                      prompt_items(req.input_items()))
+            del req
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store._bytes <= bound and held <= 1.5 * bound, (store._bytes, held)
+    assert store.get("r19").conversation == [{"type": "message", "role": "user", "content": "hi"}]
 
 
 def test_logits_processors_args_apply_and_are_validated(server, client):

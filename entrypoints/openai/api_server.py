@@ -69,6 +69,7 @@ class ServerSettings:
     engine_stall_timeout_s: float | None  # no progress this long while requests wait: /health 503; None: off
     limits: RequestLimits
     responses_store_size: int  # responses kept for GET and previous_response_id
+    responses_store_bytes: int  # and the memory they may hold
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -91,7 +92,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     aliases = settings.model_aliases | {"default", settings.model_path}
     state.chat = OpenAIServingChat(state.async_engine, settings.served_model_names, aliases)
     state.completion = OpenAIServingCompletion(state.async_engine, settings.served_model_names, aliases)
-    state.responses = OpenAIServingResponses(state.chat, ResponseStore(settings.responses_store_size))
+    store = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
+    state.responses = OpenAIServingResponses(state.chat, store)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -123,7 +125,8 @@ def settings_from_args(args: ServerArgs, model_path: str) -> ServerSettings:
                           model_aliases={model_path}, max_request_body_bytes=args.max_request_body_bytes,
                           shutdown_timeout_s=args.shutdown_timeout,
                           engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits(),
-                          responses_store_size=args.responses_store_size)
+                          responses_store_size=args.responses_store_size,
+                          responses_store_bytes=args.responses_store_bytes)
 
 
 class GracefulServer(uvicorn.Server):

@@ -19,7 +19,7 @@ from fastdeploy_lp import envs
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import DEFAULT_STALL_TIMEOUT_S
 from fastdeploy_lp.entrypoints.openai.limits import RequestLimits
-from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_STORE_SIZE
+from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_STORE_BYTES, DEFAULT_RESPONSES_STORE_SIZE
 from fastdeploy_lp.model_config import default_model_path
 from fastdeploy_lp.options import (add_arguments, markdown_table, non_negative_float, non_negative_int, option,
                                    port_number, positive_float, positive_int)
@@ -64,6 +64,10 @@ class ServerArgs:
     responses_store_size: int = option(
         DEFAULT_RESPONSES_STORE_SIZE, "Most responses /v1/responses keeps in memory (store: true) for GET and "
                                       "previous_response_id; past it the least recently used is evicted. 0: none.",
+        group=LIMITS, parse=non_negative_int, metavar="N")
+    responses_store_bytes: int = option(
+        DEFAULT_RESPONSES_STORE_BYTES, "Most bytes of memory those stored responses hold (kept as compact JSON); "
+                                       "past it the least recently used are evicted.",
         group=LIMITS, parse=non_negative_int, metavar="N")
     max_messages: int = option(2048, "Most messages in one chat request (input items in one /v1/responses "
                                      "request); more get a 400 before any templating.",

@@ -273,6 +273,21 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def prompt_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items` reduced to what `items_to_messages` reads, as a stored conversation keeps them: text
+    only, no annotations, ids or unknown keys, and no reasoning items (they never reach the prompt)."""
+    kept: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            kept.append({"type": kind, "role": item["role"], "content": _text(item["content"])})
+        elif kind == "function_call":
+            kept.append({"type": kind, "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            kept.append({"type": kind, "call_id": item["call_id"], "output": _text(item["output"])})
+    return kept
+
+
 def _text(content) -> str:
     if isinstance(content, str):
         return content

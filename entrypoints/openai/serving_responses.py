@@ -26,7 +26,8 @@ from starlette.responses import JSONResponse, Response
 from fastdeploy_lp.engine.request import RequestOutput
 from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
-from fastdeploy_lp.entrypoints.openai.protocol_responses import ResponsesRequest, responses_param
+from fastdeploy_lp.entrypoints.openai.protocol_responses import (ResponsesRequest, prompt_items,
+                                                                 responses_param)
 from fastdeploy_lp.entrypoints.openai.response_output import OutputBuilder, new_id
 from fastdeploy_lp.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -87,7 +88,7 @@ class _Shape:
 
     def __init__(self, serving: OpenAIServingResponses, req: ResponsesRequest, history: list[dict], run: ChatRun):
         self.serving, self.req, self.run = serving, req, run
-        self.conversation = history + req.input_items()
+        self.conversation = history + prompt_items(req.input_items())
         chat = serving.chat
         reasoning = ReasoningStream(chat.reasoning, run.thinking) if run.thinking is not None else None
         self.builder = OutputBuilder(reasoning, ToolCallParser(**run.reader) if run.reader is not None else None)
@@ -110,7 +111,7 @@ class _Shape:
         elif status == "failed":
             r["error"] = {"code": "server_error", "message": o.error or "generation failed"}
         if self.req.store:
-            self.serving.store.put(r, self.conversation + self.builder.items)
+            self.serving.store.put(r, self.conversation + prompt_items(self.builder.items))
         return r
 
     def _usage(self, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
