@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import tracemalloc
 from typing import Literal
 
@@ -268,6 +269,18 @@ def test_unsupported_or_bad_fields_are_a_400_naming_the_field(server, body, para
     err = _error(server, {"model": "tiny-qwen2", "input": ASK, **body})
     assert err["param"] is not None and err["param"].startswith(param), err
     assert err["message"].startswith(err["param"]) or param in err["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"instructions": "word " * 20_000}, "instructions"),
+    ({"instructions": "Be brief.", "input": "word " * 20_000}, "input"),
+    ({"max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "v", "schema": VERDICT}},
+      "structured_outputs": {"close_on_length": True}}, "max_output_tokens"),
+])
+def test_a_400_names_the_field_as_the_responses_request_spells_it(server, body, param):
+    err = _error(server, {"model": "tiny-qwen2", "input": ASK, **body})
+    assert err["param"] == param and err["message"].startswith(param + ":"), err
+    assert not re.search(r"\b(messages|max_tokens|max_completion_tokens)\b", err["message"]), err
 
 
 def test_closing_a_stream_midway_or_giving_up_on_an_answer_aborts_the_request(server, client):

@@ -52,7 +52,7 @@ def from_value_error(error: ValueError, renames: dict[str, str] | None = None) -
     field, sep, rest = message.partition(": ")
     if not sep or not _FIELD.match(field):
         return bad_request(message)
-    renames = renames or {}
+    renames, named = renames or {}, field
     path = next((k for k in renames if "." in k and field.startswith(k) and field[len(k):len(k) + 1] in ("", ".", "[")),
                 None)
     if path is not None:
@@ -60,7 +60,19 @@ def from_value_error(error: ValueError, renames: dict[str, str] | None = None) -
     else:
         root, dot, tail = field.partition(".")
         field = renames.get(root, root) + dot + tail
+        if field != named:  # "max_tokens: ... max_tokens is 2" names the field twice
+            rest = re.sub(rf"\b{re.escape(root)}\b", renames[root], rest)
     return bad_request(f"{field}: {rest}", param=field)
+
+
+def renamed(error: OpenAIError, param: str) -> OpenAIError:
+    """`error` naming `param` instead of its own `param`, in the message too (an API that spells a
+    field otherwise, or the part of a request a shared check could not tell apart)."""
+    old = error.param
+    message = error.message
+    if old:
+        message = re.sub(rf"(?<![\w.\[]){re.escape(old)}(?![\w\[])", lambda _: param, message)
+    return OpenAIError(error.status, message, param=param, code=error.code, type=error.type, headers=error.headers)
 
 
 def loc_to_param(loc: tuple) -> str:

@@ -247,11 +247,13 @@ class AnthropicMessagesRequest(BaseModel):
                 body["parallel_tool_calls"] = False
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
+    def system_text(self) -> str:
+        return self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+
     def _chat_messages(self) -> list[dict[str, Any]]:
         out = []
         if self.system:
-            text = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
-            out.append({"role": "system", "content": text})
+            out.append({"role": "system", "content": self.system_text()})
         for message in self.messages:
             out += message.to_chat()
         return out

@@ -111,6 +111,15 @@ class OpenAIServingChat(OpenAIServing):
         with value_errors_as_400({"prompt": "messages"}):
             return self.tokenizer.encode(text, add_special_tokens=False, limit=limit), text
 
+    def fills_context(self, text: str) -> bool:
+        """Whether `text` alone leaves no room in the context: which part of a prompt too long to run
+        a 400 names (the Responses `instructions`, the Messages `system`)."""
+        limit = self.engine.engine.fd_config.max_model_len
+        try:
+            return len(self.tokenizer.encode(text, limit=limit)) >= limit
+        except ValueError:
+            return True
+
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()
         if choice == "none":

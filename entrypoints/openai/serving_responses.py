@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy_lp.engine.request import RequestOutput
-from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error, renamed
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.protocol_responses import (ResponsesRequest, prompt_items,
                                                                  responses_param)
@@ -52,6 +52,8 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(chat_req)
         except OpenAIError as e:
+            if e.param == "messages" and req.instructions and self.chat.fills_context(req.instructions):
+                raise renamed(e, "instructions") from None
             raise _renamed(e) from None
         shape = _Shape(self, req, history, run)
         if req.stream:
@@ -162,13 +164,7 @@ def _chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionR
 
 def _renamed(error: OpenAIError) -> OpenAIError:
     """An error from the chat path, naming the Responses request's field."""
-    if error.param is None:
-        return error
-    param = responses_param(error.param)
-    message = error.message
-    if message.startswith(error.param):
-        message = param + message[len(error.param):]
-    return OpenAIError(error.status, message, param=param, code=error.code, type=error.type, headers=error.headers)
+    return error if error.param is None else renamed(error, responses_param(error.param))
 
 
 def _not_found(response_id: str) -> OpenAIError:
