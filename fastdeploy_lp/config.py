@@ -179,8 +179,9 @@ class EngineArgs:
         "LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable them through "
         "'logits_processors_args'.", group=DECODING, nargs="*", metavar="NAME")
     logits_processor_timeout_s: float | None = option(
-        2.0, "Seconds one logits processor may take in one step; beyond it the requests that enabled it fail (the "
-             "step itself is not interrupted). 0 or None: no limit.", group=DECODING,
+        2.0, "Seconds one logits processor may take in one step: its calls run on a thread of its own, and beyond "
+             "it the requests that enabled it fail in that step, which goes on without waiting for the call. 0 or "
+             "None: no limit (calls run in place).", group=DECODING,
         flag="--logits-processor-timeout", parse=non_negative_float, metavar="SECONDS")
     fast_forward: bool = option(True, "Append the tokens processors declare certain (a grammar's only "
                                       "continuation) in one pass instead of one step each.", group=DECODING)

@@ -39,6 +39,12 @@ A processor with state it can roll back cheaply (a grammar matcher) overrides `u
 and `end_drafts` instead of being shown the depths through `update_state`. A processor without
 it (the default) is never shown a draft: the requests that enable it decode without speculation.
 
+Threads. Under a time limit (`logits_processor_timeout_s`) the engine calls a processor's
+`update_state`, `apply`, and the speculative-decoding methods on a thread of the processor's own,
+one call at a time, and waits for each only until the processor's time in the step is up
+(`processor_thread.py`); keep no thread-local state between calls. A processor whose own code
+bounds every call (`runs_in_place`) is called on the engine's thread instead.
+
 A processor that keeps per-request state asks a `BatchTracker` (`batch_state.py`) what changed
 since its previous step — a `BatchUpdate`: requests added, removed, and rows moved — and updates
 only that, as vLLM's v1 processors do.
@@ -177,9 +183,15 @@ class LogitsProcessor(ABC):
       * `uses_engine_context`: True if it needs the engine's runtime objects (the tokenizer, tool
         functions, custom backends): it is then built as `cls(fd_config, context)` with the
         engine's `EngineContext` (`context.py`); otherwise as FastDeploy's `cls(fd_config)`.
+      * `runs_in_place`: True if its own code bounds the time of every call (the built-ins: batched
+        tensor work over what the request limits bound, or calls they run under a deadline of
+        their own). It is then called on the engine thread, sparing the hand-over to its thread
+        (tens of microseconds a call), and its time is checked after each call instead.
       * `step_time_limit_s`: seconds it may use in one step when that is longer than
         `--logits-processor-timeout`, because a request's own arguments bound its work (tool
-        execution: a call may take the request's `tool_timeout`). None: the server's limit.
+        execution: a call may take the request's `tool_timeout`), or because it bounds its own
+        calls by that limit and needs a moment more to collect them (an instance may set it from
+        its config: custom backends). None: the server's limit.
     """
 
     args_model: ClassVar[type[BaseModel] | None] = None
@@ -187,7 +199,8 @@ class LogitsProcessor(ABC):
     serves_guided_decoding: ClassVar[bool] = False
     supports_speculation: ClassVar[bool] = False
     uses_engine_context: ClassVar[bool] = False
-    step_time_limit_s: ClassVar[float | None] = None
+    runs_in_place: ClassVar[bool] = False
+    step_time_limit_s: float | None = None
 
     def __init__(self, fd_config) -> None:
         self.fd_config = fd_config

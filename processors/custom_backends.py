@@ -191,18 +191,27 @@ def _run_to_future(future: concurrent.futures.Future, fn, *args) -> None:
 class RequestLogitsProcessorAdapter(LogitsProcessor):
     """Runs per-request processors (`SamplingParams.extra["request_logits_processor"]`) in the batch.
 
-    Each callable sees its own row and its request's generated ids, on a worker thread under the
-    step's time limit (`logits_processor_timeout_s`, the one built-in guided decoding runs under):
-    one that raises, returns anything but its row of scores, or runs out of time fails only its
-    own request, never leaving it unconstrained. A call that never returns strands its worker,
-    which is replaced.
+    Each callable sees its own row and its request's generated ids. The step's calls run at the
+    same time, each request's on a thread of `_CallThreads` (a request's `n` choices share one, in
+    order: they share its `contextvars` context), and are waited for until the step's time limit
+    (`logits_processor_timeout_s`, the one built-in guided decoding runs under). A call that raises,
+    returns anything but its row of scores, or is still running at the limit fails only its own
+    request, never leaving it unconstrained; the others of the step keep their results. A call that
+    never returns keeps its thread (Python cannot stop one) and its request is over, so it is called
+    no more; at most `2 x max_num_seqs` threads exist, and once every one of them is held that way,
+    the backends' requests fail at once instead of starting more.
     """
+
+    runs_in_place = True  # each call runs on a thread of _CallThreads, waited for until the limit
 
     def __init__(self, fd_config):
         super().__init__(fd_config)
         self._rows: list[tuple[int, int, Callable, contextvars.Context, list[int], str]] = []
         self._timeout_s = fd_config.logits_processor_timeout_s
-        self._worker = _DaemonWorker()
+        # Its calls are bounded one by one, in parallel, by the limit (so it runs in place); its own
+        # limit leaves room to collect them.
+        self.step_time_limit_s = None if self._timeout_s is None else self._timeout_s + COLLECT_GRACE_S
+        self._threads = _CallThreads(2 * fd_config.max_num_seqs)
 
     @classmethod
     def declared_keys(cls):
@@ -222,59 +231,91 @@ class RequestLogitsProcessorAdapter(LogitsProcessor):
                                    share_inputs["output_ids"][slot], extra.get("request_backend", "custom")))
 
     def apply(self, logits):
-        failures = {}
+        by_context: dict[int, list[tuple]] = {}
+        for item in self._rows:  # one request's choices share its context: their calls go in order
+            by_context.setdefault(id(item[3]), []).append(item)
         deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
-        for row, slot, proc, context, output_ids, backend in self._rows:
-            scores = logits[row]
-            try:
-                out = self._call(context, proc, list(output_ids), scores, deadline)
-            except concurrent.futures.TimeoutError:
-                failures[slot] = (f"custom guided decoding backend {backend!r}: its logits processor took longer "
-                                  f"than the per-step limit of {self._timeout_s:g} s (--logits-processor-timeout)")
-                continue
-            except Exception as e:  # a backend's bug fails its own request, not the batch
-                failures[slot] = f"custom guided decoding backend {backend!r} failed: {type(e).__name__}: {e}"
-                continue
-            if not isinstance(out, paddle.Tensor) or list(out.shape) != list(scores.shape):
-                failures[slot] = (f"custom guided decoding backend {backend!r}: its logits processor returned "
-                                  f"{_describe(out)}; it must return the scores it was given "
-                                  f"(a tensor of shape {list(scores.shape)})")
-                continue
-            logits[row] = out
+        started = []
+        for group in by_context.values():
+            results: list = [None] * len(group)
+            calls = [(context, proc, list(output_ids), logits[row]) for row, _, proc, context, output_ids, _ in group]
+            started.append((group, results, self._threads.submit(_run_calls, calls, results)))
+        futures = [future for _, _, future in started if future is not None]
+        concurrent.futures.wait(futures, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        failures = {}
+        for group, results, future in started:
+            for (row, slot, _, _, _, backend), result in zip(group, results):
+                error = self._failure(backend, future, result, [logits.shape[-1]])
+                if error is None:
+                    logits[row] = result[1]
+                else:
+                    failures[slot] = error
         if failures:
             raise RequestFailures(failures)
         return logits
 
-    def _call(self, context, proc, output_ids, scores, deadline):
-        future = self._worker.submit(context.run, proc, output_ids, scores)
+    def _failure(self, backend: str, future, result, shape: list[int]) -> str | None:
+        """Why a call's result cannot be used (None: it can). `result` is None while it runs."""
+        if future is None:
+            return (f"custom guided decoding backend {backend!r}: all {self._threads.size} threads for backend "
+                    "calls are held by calls that never returned")
+        if result is None:
+            return (f"custom guided decoding backend {backend!r}: its logits processor took longer than the "
+                    f"per-step limit of {self._timeout_s:g} s (--logits-processor-timeout)")
+        ok, out = result
+        if not ok:  # a backend's bug fails its own request, not the batch
+            return f"custom guided decoding backend {backend!r} failed: {type(out).__name__}: {out}"
+        if not isinstance(out, paddle.Tensor) or list(out.shape) != shape:
+            return (f"custom guided decoding backend {backend!r}: its logits processor returned {_describe(out)}; "
+                    f"it must return the scores it was given (a tensor of shape {shape})")
+        return None
+
+
+COLLECT_GRACE_S = 1.0  # the adapter's time past the calls' limit, to start them and collect their results
+
+
+def _run_calls(calls: list[tuple], results: list) -> None:
+    """Each call `proc(output_ids, scores)` in its context, in order; `results[i]` = (True, value)
+    or (False, exception), set as each returns (the caller reads them at its deadline)."""
+    for i, (context, proc, output_ids, scores) in enumerate(calls):
         try:
-            return future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            self._worker.close()  # its thread is stuck in the call; a fresh one takes the next
-            self._worker = _DaemonWorker()
-            raise
+            results[i] = (True, context.run(proc, output_ids, scores))
+        except BaseException as e:  # noqa: BLE001 - SystemExit from a backend is its failure, reported
+            results[i] = (False, e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}"))
 
 
-class _DaemonWorker:
-    """One daemon thread running calls in order. Unlike a `ThreadPoolExecutor`'s, a thread stuck
-    in a backend's call never holds up the interpreter's exit."""
+class _CallThreads:
+    """At most `size` daemon threads for backend calls. A thread takes one job at a time and is free
+    again when it returns; one whose job never returns is never free again. Unlike a
+    `ThreadPoolExecutor`'s, a thread stuck in a backend's call never holds up the interpreter's exit."""
 
-    def __init__(self):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="custom-backend-proc", daemon=True).start()
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[queue.SimpleQueue] = []  # the job queues of the threads waiting for one
+        self._count = 0
+        self._lock = threading.Lock()
 
-    def submit(self, fn, *args) -> concurrent.futures.Future:
+    def submit(self, fn, *args) -> concurrent.futures.Future | None:
+        """Run `fn(*args)` on a free thread (started if fewer than `size` exist); None if none is free."""
+        with self._lock:
+            if self._free:
+                jobs = self._free.pop()
+            elif self._count < self.size:
+                self._count += 1
+                jobs = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(jobs,), name="custom-backend-call", daemon=True).start()
+            else:
+                return None
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args))
+        jobs.put((future, fn, args))
         return future
 
-    def close(self) -> None:
-        self._calls.put(None)
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
+    def _run(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            future, fn, args = jobs.get()
             _run_to_future(future, fn, *args)
+            with self._lock:
+                self._free.append(jobs)
 
 
 def _describe(value) -> str:

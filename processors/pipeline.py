@@ -2,7 +2,12 @@
 
 It validates request args against the registered processors, calls `update_state` before the
 forward pass and `apply` after it in registration order, times both per processor, and isolates
-failures: a processor that raises fails only the requests that enabled it.
+failures: a processor that raises fails only the requests that enabled it. Under a time limit
+(`logits_processor_timeout_s`) each processor's calls run on a thread of its own
+(`processor_thread.py`) and are waited for until the processor's time this step is up: one that
+passes it fails its requests in that very step, and the step goes on without waiting for it.
+Processors whose own code bounds every call (`runs_in_place`: the built-ins, custom backends'
+adapter) are called in place and checked after each call.
 
 Processors never see the engine's `ShareInputs`: each gets its own step view (`step_view.py`), and
 what it appends to that view's `forced_tokens` is its result, checked (`ForcedTokens`) before it
@@ -32,6 +37,7 @@ from pydantic import ValidationError
 from fastdeploy_lp.processors.base import (LogitsProcessor, LogitsProcessorArgs, RequestFailures, ShareInputs,
                                            active_slots)
 from fastdeploy_lp.processors.context import EngineContext, build_processor
+from fastdeploy_lp.processors.processor_thread import CallTimedOut, ProcessorLate, ProcessorThread
 from fastdeploy_lp.processors.registry import SAMPLING_PARAMS_PROCESSORS, resolve_processors
 from fastdeploy_lp.processors.step_view import ForcedTokens, ForcedTokensError, ReadOnlyArgs, StepView
 
@@ -187,14 +193,16 @@ class LogitsProcessorPipeline:
 
     def refine_drafts(self, slot: int, args, params, drafts: list[int], limit: int) -> list[int]:
         """A request's drafts through `refine_drafts` of each registered processor it enables; one
-        that raises, or returns anything but token ids, is passed by (drafts only change speed)."""
-        for name, p in zip(self.registered.names, self.registered.processors):
+        that raises, runs past its time, or returns anything but token ids, is passed by (drafts
+        only change speed)."""
+        stage = self.registered
+        for i, (name, p) in enumerate(zip(stage.names, stage.processors)):
             if not type(p).is_enabled_by(args, params) or not p.supports_speculation_for(params):
                 continue
-            try:
-                refined = p.refine_drafts(slot, list(drafts), limit)
-            except Exception:
-                logger.exception("logits processor %s failed to refine drafts; keeping them", name)
+            refined, error = stage.call(i, p.refine_drafts, slot, list(drafts), limit)
+            if error is not None:
+                if not isinstance(error, ProcessorLate):
+                    logger.error("logits processor %s failed to refine drafts; keeping them", name, exc_info=error)
                 continue
             if isinstance(refined, list) and all(type(t) is int and 0 <= t < self.registered.vocab_size
                                                  for t in refined):
@@ -241,7 +249,12 @@ class LogitsProcessorPipeline:
 
 
 class _Stage:
-    """Processors that run together, in order: their calls, timings, time limit and failure isolation."""
+    """Processors that run together, in order: their calls, timings, time limit and failure isolation.
+
+    Under a time limit each processor's calls run on its own `ProcessorThread`, waited for until its
+    time this step is up (update_state and apply share it; each draft depth, and the return from
+    the drafts, get it anew). A processor that `runs_in_place` is called on this thread and its time
+    checked after each call: a slow call fails its requests once it returned."""
 
     def __init__(self, processors: list[LogitsProcessor], names: list[str], context: EngineContext):
         fd_config = context.config
@@ -252,6 +265,8 @@ class _Stage:
         self.max_forced = fd_config.max_model_len  # no request can take more tokens than this
         # Checkpoints may pad the embedding past the tokenizer: those ids are no tokens.
         self.vocab_size = min(fd_config.model_config.vocab_size, context.tokenizer.vocab_size)
+        self._threads = [None if self.timeout_s is None or type(p).runs_in_place else ProcessorThread(name)
+                         for p, name in zip(processors, names)]
         self._enabled: list[bool] = [False] * len(processors)
         self._step_seconds = [0.0] * len(processors)  # this step's update_state + apply
         self._drafted = [False] * len(processors)  # saw a draft depth this step: restore() is due
@@ -266,15 +281,12 @@ class _Stage:
             mine = StepView.for_processor(view, queues)
             published = mine["forced_tokens"]  # read from here: the processor may drop the key
             start = time.perf_counter()
-            try:
-                p.update_state(mine)
-                error = None
-            except BaseException as e:
-                if not _raised(e):
-                    raise
-                error = e
-            for e in self._take_forced(i, error, published, rows, queues):
-                self._record_failure(i, e, rows, failures)
+            _, error = self.call(i, p.update_state, mine)
+            if isinstance(error, ProcessorLate):  # its call may still write `published`: none of it is read
+                self._fail_enabled(i, rows, str(error), failures)
+            else:
+                for e in self._take_forced(i, error, published, rows, queues):
+                    self._record_failure(i, e, rows, failures)
             elapsed = time.perf_counter() - start
             self.timings[self.names[i]].update_state_seconds += elapsed
             self._step_seconds[i] = elapsed
@@ -309,14 +321,13 @@ class _Stage:
         rows = _active_rows(share_inputs)
         for i in todo:
             start = time.perf_counter()
-            try:
-                logits = _applied(self.processors[i], logits)
-            except BaseException as e:
-                if not _raised(e):
-                    raise
-                # By contract a processor writes only the rows it is enabled for, and those
-                # requests are failed, so the rest of the batch is still good.
-                self._record_failure(i, e, rows, failures)
+            out, error = self.call(i, _applied, self.processors[i], logits, spent_s=self._step_seconds[i])
+            # By contract a processor writes only the rows it is enabled for, and when it fails (or is
+            # left running) those requests fail, so the rest of the batch is still good.
+            if error is None:
+                logits = out
+            else:
+                self._isolate(i, error, rows, failures)
             elapsed = time.perf_counter() - start
             timing = self.timings[self.names[i]]
             timing.apply_seconds += elapsed
@@ -346,22 +357,19 @@ class _Stage:
             self._drafted[i] = True
             mine = StepView.for_processor(view, [[] for _ in share_inputs["stop_flags"]])
             published, start = mine["forced_tokens"], time.perf_counter()
-            try:
-                try:
-                    p.update_draft_state(mine)
-                except RequestFailures as e:  # rows it cannot serve here; it serves the others
-                    if not e.failures.keys() <= enabled:
-                        raise
-                    for slot, message in e.failures.items():
-                        unusable.setdefault(slot, f"logits processor {self.names[i]}: {message}")
+            _, error = self.call(i, p.update_draft_state, mine)
+            if isinstance(error, RequestFailures) and error.failures.keys() <= enabled:
+                for slot, message in error.failures.items():  # rows it cannot serve here; it serves the others
+                    unusable.setdefault(slot, f"logits processor {self.names[i]}: {message}")
+                error = None
+            if error is None:
                 self._take_draft_forced(i, published, enabled, forced_here, unusable)
                 if not (all_greedy and type(p).argmax_invariant):
-                    logits = _applied(p, logits)
-            except BaseException as e:
-                if not _raised(e):
-                    raise
+                    out, error = self.call(i, _applied, p, logits, spent_s=time.perf_counter() - start)
+                    logits = logits if error is not None else out
+            if error is not None:  # left running: restore() fails its requests
                 for slot in enabled:
-                    unusable.setdefault(slot, f"logits processor {self.names[i]} failed at a draft: {e}")
+                    unusable.setdefault(slot, f"logits processor {self.names[i]} failed at a draft: {error}")
             self.timings[self.names[i]].apply_seconds += time.perf_counter() - start
         return logits, unusable, {slot: run for slot, run in forced_here.items() if slot not in unusable}
 
@@ -390,22 +398,41 @@ class _Stage:
         for i in [i for i, drafted in enumerate(self._drafted) if drafted]:
             self._drafted[i] = False
             queues = [list(q) for q in share_inputs["forced_tokens"]]
-            try:
-                self.processors[i].end_drafts(StepView.for_processor(view, queues))
-            except BaseException as e:
-                if not _raised(e):
-                    raise
-                self._record_failure(i, e, rows, failures)
+            _, error = self.call(i, self.processors[i].end_drafts, StepView.for_processor(view, queues))
+            if error is not None:
+                self._isolate(i, error, rows, failures)
         return failures
 
-    def _check_time(self, i, rows, failures) -> None:
-        """Fail the requests that enabled processor i if it has used more than its time this step.
+    def call(self, i, fn, *args, spent_s: float = 0.0) -> tuple[object, BaseException | None]:
+        """`fn(*args)` for processor i: on its thread, with what is left of its time this step
+        (`spent_s` of it used), or in place. Returns (result, None) or (None, the exception to
+        isolate: what it raised, or `ProcessorLate`)."""
+        thread, limit = self._threads[i], self._limit(i)
+        try:
+            return (fn(*args) if thread is None else thread.call(limit, limit - spent_s, fn, *args)), None
+        except BaseException as e:
+            if not _raised(e):
+                raise
+            if isinstance(e, CallTimedOut):
+                self.timings[self.names[i]].timeouts += 1
+            return None, e
 
-        The step is not interrupted (Python cannot preempt a running call), but the requests that
-        asked for a slow processor stop paying for it — and stop making everyone else pay."""
+    def _limit(self, i) -> float | None:
+        """Seconds processor i may use in one step: the stage's limit, or its own when longer."""
         own = self.processors[i].step_time_limit_s
-        limit = self.timeout_s if self.timeout_s is None or own is None else max(self.timeout_s, own)
-        if limit is None or self._step_seconds[i] <= limit:
+        return self.timeout_s if self.timeout_s is None or own is None else max(self.timeout_s, own)
+
+    def _isolate(self, i, error, rows, failures) -> None:
+        if isinstance(error, ProcessorLate):  # its message says which: over the limit now, or still running
+            self._fail_enabled(i, rows, str(error), failures)
+        else:
+            self._record_failure(i, error, rows, failures)
+
+    def _check_time(self, i, rows, failures) -> None:
+        """A processor called in place (not on its thread): fail the requests that enabled it if it
+        has used more than its time this step, once the call that did returned."""
+        limit = self._limit(i)
+        if self._threads[i] is not None or limit is None or self._step_seconds[i] <= limit:
             return
         name = self.names[i]
         self.timings[name].timeouts += 1

@@ -21,7 +21,9 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-num-seqs", "4", "--engine-stall-timeout", "2",
+    # A processor call past --logits-processor-timeout fails its request at the limit; the stall test
+    # hangs one for 6 s under a longer limit, so only the watchdog can end it.
+    s = start_server("--max-num-seqs", "4", "--engine-stall-timeout", "2", "--logits-processor-timeout", "10",
                      "--logits-processors", "step_processors:StepAttackLogitsProcessor",
                      "server_processors:SlowLogitsProcessor", model=default_model_path())
     yield s

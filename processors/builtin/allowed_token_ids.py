@@ -64,6 +64,7 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
     """
     args_model = AllowedTokenIdsArgs
     supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
+    runs_in_place = True  # batched tensor work, bounded by the request limits
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -104,6 +104,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     """
     args_model = BadWordsArgs
     supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
+    runs_in_place = True  # batched tensor work, bounded by the request limits
     uses_engine_context = True  # the tokenizer spells the banned words
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):

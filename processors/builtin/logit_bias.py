@@ -86,6 +86,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     """
     args_model = LogitBiasArgs
     supports_speculation = True  # a function of each row's history: draft positions are plain rows to it
+    runs_in_place = True  # batched tensor work, bounded by the request limits
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -98,6 +98,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
     """
     args_model = ThinkingBudgetArgs
     supports_speculation = True  # accepted drafts are read as `_advance` reads one token at a time
+    runs_in_place = True  # batched tensor work, bounded by the request limits
     uses_engine_context = True  # the tokenizer: <think> markers and stop sentences
 
     def __init__(self, fd_config: FDConfig, context: EngineContext):

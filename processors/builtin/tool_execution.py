@@ -123,6 +123,7 @@ class ToolExecutionLogitsProcessor(LogitsProcessor):
     # A call may take its request's tool_timeout; the server's per-step limit must not cut it short.
     step_time_limit_s = MAX_TOOL_TIMEOUT_S + 1.0
     supports_speculation = True  # a call is never run for drafts: update_draft_state
+    runs_in_place = True  # each tool call runs on its pool, waited for at most its tool_timeout
 
     @classmethod
     def is_enabled_by(cls, args, params=None) -> bool:
