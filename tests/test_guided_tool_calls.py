@@ -66,13 +66,16 @@ def test_parse_tool_calls_splits_content_and_calls():
            '<function=get_date>{"timezone":"UTC"}</function>'
     content, calls = parse_tool_calls(text)
     assert content == "Let me check."
-    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
-                     {"name": "get_date", "arguments": '{"timezone":"UTC"}'}]  # the JSON as written
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}', "complete": True},
+                     {"name": "get_date", "arguments": '{"timezone":"UTC"}', "complete": True}]  # the JSON as written
     assert parse_tool_calls("  plain answer ") == ("plain answer", [])
     assert parse_tool_calls("") == (None, [])
-    assert parse_tool_calls('<function=f> {"a": 1}\n</function>') == (None, [{"name": "f", "arguments": '{"a": 1}'}])
-    unfinished = 'x <function=get_date>{"timezone": "U'
-    assert parse_tool_calls(unfinished) == (unfinished, [])  # cut by max_tokens: no call, the text stays
+    assert parse_tool_calls('<function=f> {"a": 1}\n</function>') == (
+        None, [{"name": "f", "arguments": '{"a": 1}', "complete": True}])
+    # cut by max_tokens: a call with what was written, as streamed; only a cut name stays text
+    cut = {"name": "get_date", "arguments": '{"timezone": "U', "complete": False}
+    assert parse_tool_calls('x <function=get_date>{"timezone": "U') == ("x", [cut])
+    assert parse_tool_calls('x <function=get_da') == ("x <function=get_da", [])
 
 
 def test_strict_function_closes_its_objects():
@@ -83,9 +86,13 @@ def test_strict_function_closes_its_objects():
     assert "additionalProperties" not in loose
 
 
-def _check_calls(calls):
+def _check_calls(calls, finish="stop"):
+    """Complete calls are valid; only max_tokens may leave one cut."""
     for call in calls:
-        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        if call["complete"]:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        else:
+            assert finish == "length" and call is calls[-1], calls
 
 
 def test_required_gives_only_valid_calls(llm):
@@ -94,7 +101,7 @@ def test_required_gives_only_valid_calls(llm):
         content, calls = parse_tool_calls(out.outputs.text, names=SCHEMAS)
         if out.outputs.finish_reason == "stop":
             assert content is None and calls, out.outputs.text
-        _check_calls(calls)
+        _check_calls(calls, out.outputs.finish_reason)
     assert any(out.outputs.finish_reason == "stop" for out in outs)
 
 
@@ -112,12 +119,7 @@ def test_auto_allows_text_and_any_call_is_valid(llm):
     outs = _chat(llm, "auto", range(8), logit_bias=bias)
     for out in outs:
         _, calls = parse_tool_calls(out.outputs.text, names=SCHEMAS)
-        _check_calls(calls)
-        tail = out.outputs.text
-        for _ in calls:
-            tail = tail[tail.index("</function>") + len("</function>"):]
-        if "<function=" in tail:  # an unfinished call: only max_tokens may cut it
-            assert out.outputs.finish_reason == "length"
+        _check_calls(calls, out.outputs.finish_reason)
     for out in _chat(llm, "auto", range(2), max_tokens=12):  # unbiased: just text
         content, calls = parse_tool_calls(out.outputs.text, names=SCHEMAS)
         assert content and not calls
@@ -135,8 +137,10 @@ def test_end_tag_inside_a_json_string_stays_in_the_string():
     assert json.loads(calls[0]["arguments"]) == {"city": 'a</function>b"</function>', "unit": "celsius"}
     _check_calls(calls[1:])
     # the old string split would have cut here; the scanner reads one JSON value, then the end tag
-    assert parse_tool_calls('<function=f>"</function>"</function>') == (None, [{"name": "f", "arguments": '"</function>"'}])
-    assert parse_tool_calls('<function=f>[1, {"a": "}]"}]</function>')[1] == [{"name": "f", "arguments": '[1, {"a": "}]"}]'}]
+    assert parse_tool_calls('<function=f>"</function>"</function>')[1] == [
+        {"name": "f", "arguments": '"</function>"', "complete": True}]
+    assert parse_tool_calls('<function=f>[1, {"a": "}]"}]</function>')[1] == [
+        {"name": "f", "arguments": '[1, {"a": "}]"}]', "complete": True}]
 
 
 @pytest.mark.parametrize("text", [
@@ -207,7 +211,8 @@ def test_content_streams_at_once_but_never_a_partial_opening_tag():
 def test_a_cut_call_is_started_but_not_complete():
     parser, events = _stream('<function=get_date>{"timezone": "U', [5, 10, 3], names=SCHEMAS, keep_text=True)
     assert ("call", 0, "get_date") in events and not parser.calls[0].complete
-    assert not parser.all_calls_complete and parse_tool_calls(parser.text)[1] == []
+    assert not parser.all_calls_complete
+    assert parse_tool_calls(parser.text)[1] == [{"name": "get_date", "arguments": '{"timezone": "U', "complete": False}]
 
 
 # -- the grammars, token by token on real tokenizers ---------------------------------------------
@@ -318,8 +323,9 @@ def test_random_calls_with_hostile_strings_read_back_exactly_whole_and_streamed(
         if cut:
             text = text[:rng.randint(0, len(text))]
         content, calls = parse_tool_calls(text, names=["f", "g"])
-        got = [(c["name"], c["arguments"]) for c in calls]
+        got = [(c["name"], c["arguments"]) for c in calls if c["complete"]]
         assert got == (expected[:len(got)] if cut else expected), text
+        assert all(c["complete"] for c in calls[:-1])
         checked += len(got)
         parser, events, pos = ToolCallParser(names=["f", "g"]), [], 0
         while pos < len(text):
@@ -330,6 +336,8 @@ def test_random_calls_with_hostile_strings_read_back_exactly_whole_and_streamed(
         ended = [e[1] for e in events if e[0] == "end"]
         assert [(parser.calls[k].name, "".join(e[2] for e in events if e[0] == "arguments" and e[1] == k))
                 for k in ended] == got
-        if all(c.complete for c in parser.calls):
-            assert "".join(e[1] for e in events if e[0] == "content") == (content or "")
+        assert "".join(e[1] for e in events if e[0] == "content") == (content or ""), text
+        assert [c["arguments"] for c in calls] == [  # a cut call's arguments too, as streamed
+            "".join(e[2] for e in events if e[0] == "arguments" and e[1] == k) for k in range(len(parser.calls))
+            if not parser.calls[k].failed]
     assert checked > 300

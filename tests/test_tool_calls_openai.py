@@ -4,7 +4,8 @@ over many seeds, streamed and not:
 
 - whenever `finish_reason` is "tool_calls", every `arguments` is JSON valid for its tool's schema,
   also when the model writes `</function>` inside a string argument;
-- a call cut by `max_tokens` is `finish_reason: "length"` with no `tool_calls`;
+- a call cut by `max_tokens` is `finish_reason: "length"` with the call, arguments as far as written,
+  in `tool_calls`, the same streamed and not, and one shape on /v1/messages and /v1/responses too;
 - `tool_choice: "none"` never lets the call syntax into the content;
 - `parallel_tool_calls` true lets two calls through, false at most one;
 - streamed calls arrive in OpenAI's shape (a header delta, then argument pieces) and accumulate,
@@ -26,7 +27,7 @@ from pydantic import BaseModel
 
 from fastdeploy_lp.config import default_model_path
 from fastdeploy_lp.tokenizer import Tokenizer
-from server_harness import start_server
+from server_harness import anthropic_client, start_server
 from test_server_openai import client  # noqa: F401  (the fixture, over this module's `server`)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -138,16 +139,15 @@ def test_hot_sampling_over_seeds_gives_only_schema_valid_calls_streamed_and_not(
                 n_calls += 1
             if tool_choice == NAMED:
                 assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
-        else:
-            assert not choice.message.tool_calls
-        # the stream: same seed, same answer; the deltas join to the same calls
+        else:  # a call cut by max_tokens is in tool_calls, as streamed
+            assert choice.finish_reason == "length" or not choice.message.tool_calls
+        # the stream: same seed, same answer; the deltas join to the same content and calls
         content, calls, finish = _calls_by_hand(chunks)
         assert finish == choice.finish_reason, seed
-        if finish != "length":  # cut inside a call: streamed, its start went out as tool-call deltas;
-            assert content == (choice.message.content or ""), seed  # whole, the text stays in content
+        assert content == (choice.message.content or ""), seed
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []], seed
         if finish == "tool_calls":
-            assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-                [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
             assert all(c["pieces"] > 1 for c in calls.values())  # streamed as generated, not in one piece
             sdk = accumulated.choices[0].message.tool_calls
             assert [(c.id, c.function.name, c.function.arguments) for c in sdk] == \
@@ -179,14 +179,49 @@ def test_end_tag_inside_a_string_argument_stays_in_the_string(client, token_id):
     assert inside >= 1  # at least one answer had the end tag inside its string argument
 
 
-def test_max_tokens_cut_is_length_and_no_half_call(client):
-    for seed in range(3):
-        kw = dict(model="default-model", messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=HOT, max_tokens=6,
-                  seed=seed)
-        choice = client.chat.completions.create(**kw).choices[0]
-        assert choice.finish_reason == "length" and not choice.message.tool_calls
-        chunks, accumulated = _stream(client, **kw)
-        assert _calls_by_hand(chunks)[2] == "length" and accumulated is None  # the SDK: LengthFinishReasonError
+@pytest.mark.parametrize("max_tokens", [3, 6, 9, 11])
+def test_a_cut_call_has_one_shape_streamed_and_not_on_every_api(server, client, max_tokens):
+    """Cut by max_tokens after its name, a call is a call with the arguments written so far, the same
+    streamed and not: chat `tool_calls` (finish "length"), a Messages `tool_use` block whose input is
+    the partial JSON read as Anthropic's SDK reads it (stop "max_tokens"), a Responses
+    `function_call` item with status "incomplete". Cut inside its name, it is text everywhere."""
+    kw = dict(model="default-model", messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0,
+              max_tokens=max_tokens)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = _calls_by_hand(_stream(client, **kw)[0])
+    assert whole.finish_reason == finish == "length"
+    assert (whole.message.content or "") == content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == \
+        [(c["name"], c["arguments"]) for c in calls.values()]
+    cut = bool(calls)
+    assert cut == (max_tokens > 3)  # three tokens end inside "<function=get_weather>"
+
+    claude = anthropic_client(server)
+    mkw = dict(model="default-model", max_tokens=max_tokens, messages=ASK, extra_body={"temperature": 0},
+               tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
+               tool_choice={"type": "tool", "name": "get_weather"})
+    message = claude.messages.create(**mkw)
+    with claude.messages.stream(**mkw) as stream:
+        streamed = stream.get_final_message()
+    assert message.stop_reason == streamed.stop_reason == "max_tokens"
+    shape = [(b.type, getattr(b, "name", None), getattr(b, "input", None), getattr(b, "text", None))
+             for b in message.content]
+    assert shape == [(b.type, getattr(b, "name", None), getattr(b, "input", None), getattr(b, "text", None))
+                     for b in streamed.content]
+    assert [b.type for b in message.content] == (["tool_use"] if cut else ["text"])
+
+    rkw = dict(model="default-model", input=ASK[0]["content"], max_output_tokens=max_tokens, temperature=0,
+               tools=[{"type": "function", **t["function"]} for t in TOOLS],
+               tool_choice={"type": "function", "name": "get_weather"}, store=False)
+    response = client.responses.create(**rkw)
+    rstreamed = list(client.responses.create(stream=True, **rkw))[-1].response  # response.incomplete's
+    assert response.status == rstreamed.status == "incomplete"
+    items = [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None)) for i in response.output]
+    assert items == [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None))
+                     for i in rstreamed.output]
+    if cut:  # an item is complete once its arguments are (11 tokens end before "</function>")
+        status = "completed" if max_tokens == 11 else "incomplete"
+        assert items == [("function_call", status, "get_weather", calls[0]["arguments"])]
 
 
 # -- tool_choice "none" ---------------------------------------------------------------------------

@@ -299,9 +299,11 @@ def _split_tool_calls(text: str, finish: str | None, parse) -> tuple[str | None,
     """(content, OpenAI tool_calls or None, finish_reason) of one finished choice."""
     if parse is None or finish in ("error", "abort"):
         return text, None, finish
-    content, calls = parse(text)  # content: the text outside complete calls, stripped as streamed
+    content, calls = parse(text)  # content: the text outside calls, stripped as streamed
     if not calls:
         return content or "", None, finish
+    # a call cut by max_tokens is in tool_calls with the arguments written so far, as streamed
     tool_calls = [{"id": _call_id(), "type": "function",
                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-    return content, tool_calls, "tool_calls" if finish == "stop" else finish
+    called = finish == "stop" and all(c["complete"] for c in calls)
+    return content, tool_calls, "tool_calls" if called else finish

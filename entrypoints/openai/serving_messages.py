@@ -22,6 +22,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
+from pydantic_core import from_json
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -96,9 +97,10 @@ class AnthropicServingMessages:
         content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
         if text or not calls:
             content.append({"type": "text", "text": text or ""})
-        content += [{"type": "tool_use", "id": _tool_use_id(), "name": c["name"], "input": json.loads(c["arguments"])}
+        content += [{"type": "tool_use", "id": _tool_use_id(), "name": c["name"], "input": _tool_input(c)}
                     for c in calls]
-        stop_reason, stop_sequence = _stop_reason(o.finish_reason, bool(calls), o.stop_reason)
+        called = bool(calls) and all(c["complete"] for c in calls)
+        stop_reason, stop_sequence = _stop_reason(o.finish_reason, called, o.stop_reason)
         return {"id": message_id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(o.token_ids)}}
@@ -208,6 +210,18 @@ def _stop_reason(finish: str | None, called: bool, stop_string: str | None) -> t
     if stop_string is not None:
         return "stop_sequence", stop_string
     return "end_turn", None
+
+
+def _tool_input(call: dict[str, str]) -> dict[str, Any]:
+    """A tool_use block's `input`. A call cut by `max_tokens` has what its stream's `input_json_delta`
+    pieces give when read as partial JSON, as Anthropic's SDK reads them (`{"city": "Par` is `{}`)."""
+    if call["complete"]:
+        return json.loads(call["arguments"])
+    try:
+        value = from_json(call["arguments"], allow_partial=True) if call["arguments"] else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _event(data: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ for streaming (content, call headers and argument pieces as the text arrives);
 
     params = SamplingParams(guided_decoding=tool_call_constraint(tools, "required"))
     text = llm.chat(messages, params, tools=tools)[0].outputs.text
-    content, calls = parse_tool_calls(text)   # calls: [{"name": ..., "arguments": "{...}"}]
+    content, calls = parse_tool_calls(text)   # calls: [{"name": ..., "arguments": "{...}", "complete": True}]
 
 `arguments` is the JSON value exactly as generated (so streamed pieces concatenate to it). A
 function with `"strict": true` gets OpenAI strict semantics (objects without an explicit
@@ -195,15 +195,15 @@ class ToolCallParser:
         return bool(self.calls) and all(c.complete for c in self.calls)
 
     def content(self) -> str | None:
-        """The text outside complete calls, stripped (None when empty): unfinished or failed calls stay.
-        Needs `keep_text`."""
+        """The text outside calls, complete or cut, stripped (None when empty), as the "content"
+        events stream it: only a failed call's text stays. Needs `keep_text`."""
         if not self.keep_text:
             raise ValueError("ToolCallParser.content() needs keep_text=True")
         parts, pos = [], 0
         for c in self.calls:
-            if c.complete:
+            if not c.failed:
                 parts.append(self.text[pos:c.start])
-                pos = c.end
+                pos = c.end if c.complete else len(self.text)
         parts.append(self.text[pos:])
         return "".join(parts).strip() or None
 
@@ -370,17 +370,20 @@ class ToolCallParser:
 
 def parse_tool_calls(text: str, names: Iterable[str] | None = None,
                      max_calls: int | None = None) -> tuple[str | None, list[dict]]:
-    """Split generated text into (content, calls), reading it as `ToolCallParser` does.
+    """Split generated text into (content, calls), reading it as `ToolCallParser` does, so a whole
+    answer has the calls and content its stream had.
 
-    Every complete `<function=NAME>JSON</function>` becomes `{"name": NAME, "arguments": JSON}`
-    (the JSON value as written); `</function>` inside a JSON string does not end the call. The rest
-    of the text, stripped, is the content (None when nothing is left); an unfinished call (cut by
-    `max_tokens`) or one that is not a JSON value followed by `</function>` stays in the content.
+    Every `<function=NAME>JSON</function>` becomes `{"name": NAME, "arguments": JSON, "complete":
+    True}` (the JSON value as written); `</function>` inside a JSON string does not end the call.
+    A call cut after its name (by `max_tokens` or a stop string) is one too, with the arguments
+    written so far and `"complete": False`, as its stream sent it. The rest of the text, stripped,
+    is the content (None when nothing is left); a call that is not a JSON value followed by
+    `</function>` (only possible without the grammar) stays in the content.
     """
     parser = ToolCallParser(names, max_calls, keep_text=True)
     parser.feed(text)
     parser.finish()
-    calls = [{"name": c.name, "arguments": c.arguments} for c in parser.calls if c.complete]
+    calls = [{"name": c.name, "arguments": c.arguments, "complete": c.complete} for c in parser.calls if not c.failed]
     return parser.content(), calls
 
 
