@@ -21,6 +21,8 @@ from fastdeploy_lp.model_config import ModelConfig, default_model_path, normaliz
 from fastdeploy_lp.options import (non_negative_float, non_negative_int, option, port_number, positive_float,
                                    positive_int)
 from fastdeploy_lp.reasoning import REASONING_PARSERS
+from fastdeploy_lp.sampling_params import MAX_N
+from fastdeploy_lp.sequence_limits import SequenceLimits
 from fastdeploy_lp.speculative_config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class FDConfig:
     tensor_parallel_size: int
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
     tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
+    sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -125,6 +128,7 @@ class FDConfig:
 
 MODEL, DECODING, CACHE = "model and engine", "decoding: processors, guided decoding, reasoning, tools", \
     "KV cache and scheduling"
+LIMITS = "request limits (docs/server.md#limits; LLM() checks them too)"
 COMPAT = "FastDeploy compatibility (accepted, unused: ranks talk over pipes and Paddle's process group)"
 
 
@@ -239,6 +243,17 @@ class EngineArgs:
     max_num_batched_tokens: int | None = option(
         None, f"Tokens one step may compute. Default: {CHUNKED_PREFILL_TOKEN_BUDGET} with chunked prefill, else no "
               f"limit.", group=CACHE, parse=positive_int, metavar="N")
+    max_n: int = option(16, f"Most choices (n) per request (at most {MAX_N}); more get a 400 (offline: a "
+                            "ValueError).", group=LIMITS, parse=positive_int, metavar="N")
+    max_stop: int = option(64, "Most entries in stop and in stop_token_ids (each; both are checked after every "
+                               "token); more get a 400 (offline: a ValueError).", group=LIMITS, parse=positive_int,
+                           metavar="N")
+    max_bad_words: int = option(128, "Most entries in bad_words, logits_processors_args.bad_words and "
+                                     "logits_processors_args.bad_words_token_ids (each); more get a 400 (offline: a "
+                                     "ValueError).", group=LIMITS, parse=positive_int, metavar="N")
+    max_bad_word_length: int = option(128, "Most characters of one bad word, or token ids of one banned sequence; "
+                                           "longer get a 400 (offline: a ValueError).", group=LIMITS,
+                                      parse=positive_int, metavar="N")
     engine_worker_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
                                                   group=COMPAT, parse=port_number, metavar="PORT")
     cache_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
@@ -261,6 +276,7 @@ class EngineArgs:
         timeout = self.logits_processor_timeout_s
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"logits_processor_timeout_s: must be >= 0 (0 or None: no limit), got {timeout!r}")
+        limits = self.sequence_limits()
         cache_config = self.create_cache_config()
         device = self.device or default_device()
         model_config = model_config or ModelConfig.from_pretrained(self.model_path)
@@ -279,7 +295,17 @@ class EngineArgs:
                         guided_json_number_digits=self.guided_json_number_digits,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
-                        tokenizer_dir=self.tokenizer)
+                        tokenizer_dir=self.tokenizer, sequence_limits=limits)
+
+    def sequence_limits(self) -> SequenceLimits:
+        """The request limits of these options; a `ValueError` names a bad one."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SequenceLimits)}
+        for name, value in values.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"max_n: at most {MAX_N}, got {self.max_n}")
+        return SequenceLimits(**values)
 
 
 def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:

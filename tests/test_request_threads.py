@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from pydantic import BaseModel
 
-from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.config import EngineArgs, FDConfig
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.entrypoints.openai.api_server import build_app, settings_from_args
 from fastdeploy_lp.entrypoints.openai.args import ServerArgs
@@ -26,7 +26,7 @@ from fastdeploy_lp.processors import LogitsProcessor
 from server_harness import QWEN2, free_port, wait_healthy
 
 LOOP_THREAD = "test-event-loop"
-ENGINE_THREAD = "fastdeploy-lp-engine"
+PROCESSOR_THREAD = "logits-processor-ThreadRecorder"  # its own, under the step's time limit
 
 
 class RecordArgs(BaseModel):
@@ -68,7 +68,7 @@ class RecordingExecutor(ThreadPoolExecutor):
 def server():
     engine = LLMEngine(FDConfig.create(QWEN2, max_num_seqs=2,
                                        logits_processors=["test_request_threads:ThreadRecorder"]))
-    app = build_app(engine, settings_from_args(ServerArgs(served_model_name=["q"]), QWEN2))
+    app = build_app(engine, settings_from_args(ServerArgs(served_model_name=["q"]), EngineArgs(QWEN2)))
     outputs_seen_on: list[str] = []
     metrics = app.state.async_engine.observer
 
@@ -119,7 +119,7 @@ def test_a_request_runs_on_the_event_loop_and_the_engine_thread_only(server, pat
     assert submitted == [], "a request without a constraint must not wait on a worker thread"
     threads = {call: {t for c, t in calls if c == call} for call, _ in calls}
     assert threads["validate_request"] == {LOOP_THREAD}
-    assert threads["update_state"] == threads["apply"] == {ENGINE_THREAD}
+    assert threads["update_state"] == threads["apply"] == {PROCESSOR_THREAD}
     assert routed_on and set(routed_on) == {LOOP_THREAD}
 
 
@@ -128,5 +128,5 @@ def test_only_a_constrained_request_is_admitted_on_a_worker_thread(server):
         "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}})
     assert submitted == ["LLMEngine.make_requests"]  # the grammar compiles there, nothing else leaves the loop
     assert {t for c, t in calls if c == "validate_request"} <= {f"test-worker_{i}" for i in range(2)}
-    assert {t for c, t in calls if c != "validate_request"} == {ENGINE_THREAD}
+    assert {t for c, t in calls if c != "validate_request"} == {PROCESSOR_THREAD}
     assert set(routed_on) == {LOOP_THREAD}

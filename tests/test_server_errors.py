@@ -199,13 +199,13 @@ def test_full_queue_is_429_then_serves_again(server):
 
 def test_not_serving_is_503_on_health_and_generation():
     """An in-process server whose engine thread stops: /health and generation answer 503."""
-    from fastdeploy_lp.config import FDConfig
+    from fastdeploy_lp.config import EngineArgs, FDConfig
     from fastdeploy_lp.engine.engine import LLMEngine
     from fastdeploy_lp.entrypoints.openai.api_server import build_app, settings_from_args
     from fastdeploy_lp.entrypoints.openai.args import ServerArgs
 
     engine = LLMEngine(FDConfig.create(QWEN2, max_num_seqs=2, guided_decoding_backend="off"))
-    app = build_app(engine, settings_from_args(ServerArgs(served_model_name=["q"]), QWEN2))
+    app = build_app(engine, settings_from_args(ServerArgs(served_model_name=["q"]), EngineArgs(QWEN2)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

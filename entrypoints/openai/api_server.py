@@ -111,20 +111,26 @@ async def _lifespan(app: FastAPI):
     throttle_accept_errors(asyncio.get_running_loop())
     logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
                 settings.model_path, ", ".join(async_engine.engine.pipeline.names) or "none")
+    template = async_engine.engine.tokenizer.chat_template
+    if template.source and not template.renders_tools:
+        logger.info("the chat template does not render tools: a request's tools go into its system prompt, with "
+                    "the <function=NAME>{JSON}</function> call syntax (docs/guided_decoding.md)")
     try:
         yield
     finally:
         async_engine.shutdown()
 
 
-def settings_from_args(args: ServerArgs, model_path: str) -> ServerSettings:
-    """The HTTP side's settings: `args` resolved (names, the API key's environment variable, limits)."""
+def settings_from_args(args: ServerArgs, engine_args: EngineArgs) -> ServerSettings:
+    """The HTTP side's settings: `args` resolved (names, the API key's environment variable, limits;
+    the request limits the engine checks too are `engine_args`')."""
+    model_path = engine_args.model_path
     names = args.served_model_name or [os.path.basename(os.path.normpath(model_path))]
     return ServerSettings(served_model_names=names, model_path=model_path, api_key=args.resolve_api_key(),
                           strict_fields=args.strict_fields, max_waiting_requests=args.max_waiting_requests,
                           model_aliases={model_path}, max_request_body_bytes=args.max_request_body_bytes,
                           shutdown_timeout_s=args.shutdown_timeout,
-                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits(),
+                          engine_stall_timeout_s=args.engine_stall_timeout or None, limits=args.request_limits(engine_args),
                           responses_store_size=args.responses_store_size,
                           responses_store_bytes=args.responses_store_bytes)
 
@@ -207,7 +213,7 @@ def run_server(namespace: argparse.Namespace) -> int:
         print("fastdeploy-lp: cannot start: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     try:
-        settings = settings_from_args(args, engine_args.model_path)
+        settings = settings_from_args(args, engine_args)
         engine = build_engine(engine_args)
     except (ValueError, OSError, ImportError, TensorParallelError) as e:  # bad processor name, missing model,
         # bad flag value, a tensor-parallel worker that died while starting

@@ -23,7 +23,6 @@ from fastdeploy_lp.entrypoints.openai.responses_store import DEFAULT_RESPONSES_S
 from fastdeploy_lp.model_config import default_model_path
 from fastdeploy_lp.options import (add_arguments, markdown_table, non_negative_float, non_negative_int, option,
                                    port_number, positive_float, positive_int)
-from fastdeploy_lp.sampling_params import MAX_N
 
 HTTP, LIMITS = "HTTP server", "request and connection limits (docs/server.md#limits)"
 
@@ -74,18 +73,9 @@ class ServerArgs:
                                group=LIMITS, parse=positive_int, metavar="N")
     max_tools: int = option(128, "Most tool definitions in one request (OpenAI's own limit); more get a 400 before "
                                  "any templating.", group=LIMITS, parse=positive_int, metavar="N")
-    max_n: int = option(16, f"Most choices (n) per request (at most {MAX_N}); more get a 400.", group=LIMITS,
-                        parse=positive_int, metavar="N")
     max_sequences_per_request: int = option(
         256, "Most sequences one request submits at once: prompts x n (a completions batch of P prompts with n "
              "choices is P*n); more get a 400.", group=LIMITS, parse=positive_int, metavar="N")
-    max_stop: int = option(64, "Most entries in stop and in stop_token_ids (each; both are checked after every "
-                               "token); more get a 400.", group=LIMITS, parse=positive_int, metavar="N")
-    max_bad_words: int = option(128, "Most entries in bad_words, logits_processors_args.bad_words and "
-                                     "logits_processors_args.bad_words_token_ids (each); more get a 400.",
-                                group=LIMITS, parse=positive_int, metavar="N")
-    max_bad_word_length: int = option(128, "Most characters of one bad word, or token ids of one banned sequence; "
-                                           "longer get a 400.", group=LIMITS, parse=positive_int, metavar="N")
     limit_concurrency: int = option(1024, "Most open connections (fitted to the open-file limit); a connection "
                                           "beyond it gets a JSON 503 and is closed.", group=LIMITS,
                                     parse=positive_int, metavar="N")
@@ -96,12 +86,12 @@ class ServerArgs:
     keep_alive_timeout: float = option(5.0, "An idle connection between requests is closed after this long.",
                                        group=LIMITS, parse=positive_float, metavar="SECONDS")
 
-    def request_limits(self) -> RequestLimits:
-        if self.max_n > MAX_N:
-            raise ValueError(f"--max-n: at most {MAX_N}, got {self.max_n}")
-        return RequestLimits(max_messages=self.max_messages, max_bad_words=self.max_bad_words,
-                             max_bad_word_length=self.max_bad_word_length, max_n=self.max_n,
-                             max_sequences_per_request=self.max_sequences_per_request, max_stop=self.max_stop,
+    def request_limits(self, engine_args: EngineArgs) -> RequestLimits:
+        """These limits and the engine's own (`EngineArgs`: n, stop, bad words, which `LLM()` checks too)."""
+        engine = engine_args.sequence_limits()
+        return RequestLimits(max_messages=self.max_messages, max_bad_words=engine.max_bad_words,
+                             max_bad_word_length=engine.max_bad_word_length, max_n=engine.max_n,
+                             max_sequences_per_request=self.max_sequences_per_request, max_stop=engine.max_stop,
                              max_tools=self.max_tools)
 
     def resolve_api_key(self) -> str | None:

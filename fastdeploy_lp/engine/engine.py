@@ -121,6 +121,7 @@ class LLMEngine:
                       request_id: str | None = None, add_special_tokens: bool = True) -> list[Request]:
         """Validate one prompt and build its `params.n` requests without queueing them."""
         params = params or SamplingParams()
+        self.fd_config.sequence_limits.check(params)  # counting only: before any tokenizing
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens,
                                                       limit=self.fd_config.max_model_len)
