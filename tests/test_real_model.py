@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 
+import httpx
 import pytest
 
 from fastdeploy_lp import LLM, SamplingParams
@@ -88,6 +89,18 @@ def test_a_tool_call_names_the_right_tool_with_valid_arguments(client, question,
         tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     (call,) = answer.choices[0].message.tool_calls
     assert call.function.name == name and json.loads(call.function.arguments) == arguments
+
+
+def test_tools_reach_a_model_whose_template_does_not_render_them(server):
+    """SmolLM2's template reads only `content`: the tool list goes into the system prompt instead."""
+    ask = {"model": "default", "messages": [{"role": "user", "content": "What's the weather like in Paris?"}]}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        ids = http.post("/tokenize", json={**ask, "tools": TOOLS}).json()["tokens"]
+        prompt = http.post("/detokenize", json={"model": "default", "tokens": ids}).json()["prompt"]
+    assert "- get_weather(city: string): Get the current weather in a city" in prompt
+    assert "- get_time(timezone: string)" in prompt
+    assert prompt.index("<function=NAME>") < prompt.index("What's the weather")
+    assert "the chat template does not render tools" in server.log()
 
 
 def test_models_report_the_files_types_and_bytes(client):

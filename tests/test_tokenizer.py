@@ -9,6 +9,7 @@ import pytest
 from conftest import FIXTURES, fixture_dir
 
 from fastdeploy_lp.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,44 @@ def test_chat_template_gets_tools_and_kwargs():
     assert out == "TOOLS:get_weather\nuser: hi\nassistant:<think>"
     with pytest.raises(ValueError, match="messages"):
         ChatTemplate("{{ raise_exception('no system role') }}").render([])
+
+
+class _TemplateOnly:
+    """What render_chat_prompt reads of a tokenizer: its template (no BOS or EOS)."""
+
+    def __init__(self, source: str):
+        self.chat_template = ChatTemplate(source)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **kwargs):
+        return self.chat_template.render(messages, add_generation_prompt, tools=tools, **kwargs)
+
+
+CONTENT_ONLY = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+NO_SYSTEM_ROLE = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
+                  "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("source, first_role", [(CONTENT_ONLY, "system"), (NO_SYSTEM_ROLE, "user")])
+def test_a_template_that_ignores_tools_gets_them_in_the_prompt(source, first_role):
+    tok = _TemplateOnly(source)
+    assert not tok.chat_template.renders_tools
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out = render_chat_prompt(tok, history, tools=WEATHER_TOOL)
+    assert out.startswith(f"{first_role}: # Tools") and "- get_weather()" in out
+    assert "<function=NAME>{JSON arguments}</function>" in out
+    assert 'assistant: <function=get_weather>{"city": "Paris"}</function>\ntool: sunny' in out
+    assert render_chat_prompt(tok, [{"role": "user", "content": "hi"}]) == "user: hi\n"  # no tools: as written
+
+
+def test_a_template_that_renders_tools_is_used_as_it_is():
+    tok = _TemplateOnly("{% if tools %}T:{{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+                        + CONTENT_ONLY)
+    assert tok.chat_template.renders_tools
+    assert render_chat_prompt(tok, [{"role": "user", "content": "hi"}], tools=WEATHER_TOOL) == "T:get_weather\nuser: hi\n"
 
 
 def test_sentencepiece_bos_follows_add_bos_token(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 from typing import Any
 
 import jinja2
@@ -39,6 +40,17 @@ class ChatTemplate:
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         return cls(source)
 
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the `tools` it is given into the prompt (many, e.g. SmolLM2's
+        and Llama 2's, ignore them); found by rendering a probe tool once."""
+        probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}]
+        try:
+            return _PROBE_TOOL in self.render([{"role": "user", "content": "x"}], tools=probe, bos_token="",
+                                              eos_token="")
+        except ValueError:
+            return False
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         if self._template is None:
             raise ValueError("messages: this model has no chat template; use a completion prompt instead")
@@ -49,8 +61,69 @@ class ChatTemplate:
             raise ValueError(f"messages: the chat template rejected the conversation: {e}") from e
 
 
+_PROBE_TOOL = "fastdeploy_lp_probe_tool"
 RESERVED_BY_REQUEST = ("messages", "tools", "add_generation_prompt")
 RESERVED_BY_TOKENIZER = ("bos_token", "eos_token")
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    """The tool list as a system prompt, in the call syntax the tool grammar enforces
+    (`<function=NAME>{JSON}</function>`, `processors/guided/tool_calls.py`): what a template that
+    does not render tools gets instead, as vLLM's tool-parser templates add it.
+
+    Each tool is one signature line, `- get_weather(city: string, unit?: "c" | "f"): description`:
+    small models copy a whole JSON schema into their arguments, and the grammar enforces the schema
+    whatever the prompt says."""
+    lines = "\n".join(_signature(t.get("function", t)) for t in tools)
+    return ("# Tools\n\nYou can call these functions:\n" + lines + "\n\nTo call a function, reply only with "
+            "<function=NAME>{JSON arguments}</function>. After a function result arrives, answer in plain text.")
+
+
+def _signature(function: dict) -> str:
+    parameters = function.get("parameters") or {}
+    required = set(parameters.get("required") or ())
+    args = ", ".join(f"{name}{'' if name in required else '?'}: {_type_name(schema)}"
+                     for name, schema in (parameters.get("properties") or {}).items())
+    description = function.get("description")
+    return f"- {function['name']}({args})" + (f": {description}" if description else "")
+
+
+def _type_name(schema) -> str:
+    if not isinstance(schema, dict):
+        return "any"
+    if "enum" in schema:
+        return " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"list[{_type_name(schema.get('items'))}]"
+    return " | ".join(kind) if isinstance(kind, list) else str(kind)
+
+
+def _with_tools_in_prompt(messages: list[dict], tools: list[dict], system: bool) -> list[dict]:
+    """`messages` with the tool list at the start of the system message (a new one if there is
+    none), or, for a template without a system role, of the first message."""
+    text = tools_system_prompt(tools)
+    first = messages[0] if messages else None
+    if first is not None and isinstance(first.get("content"), str) and (first.get("role") == "system" or not system):
+        return [dict(first, content=f"{text}\n\n{first['content']}")] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def _calls_as_text(messages: list[dict]) -> list[dict]:
+    """Assistant turns' `tool_calls` written into their content in the call syntax, for a template
+    that only reads `content`."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = "".join(f"<function={c['function']['name']}>{_arguments(c['function'].get('arguments'))}</function>"
+                            for c in m["tool_calls"])
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": (m.get("content") or "") + calls}
+        out.append(m)
+    return out
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
 def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -74,6 +147,14 @@ def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt
     for reserved in RESERVED_BY_TOKENIZER:
         if reserved in kwargs:
             raise ValueError(f"chat_template_kwargs.{reserved}: set by the tokenizer; it cannot be overridden")
+    if not tokenizer.chat_template.renders_tools:  # nor, then, earlier turns' tool calls
+        messages = _calls_as_text(messages)
+    if tools and not tokenizer.chat_template.renders_tools:
+        try:
+            return tokenizer.apply_chat_template(_with_tools_in_prompt(messages, tools, system=True),
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+        except ValueError:  # a template without a system role (Gemma's, Mistral's first)
+            messages, tools = _with_tools_in_prompt(messages, tools, system=False), None
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                              **kwargs)
