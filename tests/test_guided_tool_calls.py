@@ -12,8 +12,8 @@ import pytest
 from conftest import fixture_dir
 
 from fastdeploy_lp import LLM, SamplingParams
-from fastdeploy_lp.processors.guided.tool_calls import (ToolCallParser, no_tool_call_constraint, parse_tool_calls,
-                                                         tool_call_constraint)
+from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_tool_calls
+from fastdeploy_lp.processors.guided.tool_calls import no_tool_call_constraint, tool_call_constraint
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -161,3 +161,36 @@ def test_the_package_imports_itself_only_absolutely():
             if isinstance(node, ast.ImportFrom) and node.level:
                 relative.append(f"{module}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
     assert relative == [], "relative imports:\n" + "\n".join(relative)
+
+
+# The server's composition root builds the engine; every other server module holds an EngineClient.
+_BUILDS_THE_ENGINE = {"fastdeploy_lp.entrypoints.cli", "fastdeploy_lp.entrypoints.openai.api_server",
+                      "fastdeploy_lp.entrypoints.openai.args"}
+_ENGINE_INTERFACE = {"fastdeploy_lp.engine", "fastdeploy_lp.engine.protocol", "fastdeploy_lp.engine.request"}
+
+
+def test_the_server_talks_to_the_engine_only_through_its_interface():
+    """Server modules import `engine.protocol` (`EngineClient`) and `engine.request` (outputs), and
+    never reach past the client into the engine it wraps (`async_engine.engine.…`)."""
+    files = package_files()
+    graph = import_graph()
+    beyond, reached = [], []
+    for module, path in sorted(files.items()):
+        if not module.startswith("fastdeploy_lp.entrypoints"):
+            continue
+        if module not in _BUILDS_THE_ENGINE:
+            beyond += [f"{module} imports {t}" for t in sorted(graph[module])
+                       if t.startswith("fastdeploy_lp.engine") and t not in _ENGINE_INTERFACE]
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr == "engine" and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr in ("engine", "async_engine"):
+                reached.append(f"{module}:{node.lineno}")
+    assert beyond == [], "\n".join(beyond)
+    assert reached == [], "reaching past the EngineClient at " + ", ".join(reached)
+
+
+def test_processors_never_import_the_server():
+    graph = import_graph()
+    upward = [f"{m} imports {t}" for m, targets in sorted(graph.items()) if m.startswith("fastdeploy_lp.processors")
+              for t in sorted(targets) if t.startswith("fastdeploy_lp.entrypoints")]
+    assert upward == [], "\n".join(upward)

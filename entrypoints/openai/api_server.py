@@ -33,6 +33,7 @@ from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.llm import build_engine
+from fastdeploy_lp.engine.protocol import EngineClient
 from fastdeploy_lp.entrypoints.openai.args import ServerArgs, make_parser, missing_model_hint
 from fastdeploy_lp.entrypoints.openai.connections import (ConnectionLimits, bounded_protocol, fit_to_open_file_limit,
                                                           throttle_accept_errors)
@@ -110,8 +111,8 @@ async def _lifespan(app: FastAPI):
     async_engine.start()
     throttle_accept_errors(asyncio.get_running_loop())
     logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
-                settings.model_path, ", ".join(async_engine.engine.pipeline.names) or "none")
-    template = async_engine.engine.tokenizer.chat_template
+                settings.model_path, ", ".join(type(p).__name__ for p in async_engine.processors) or "none")
+    template = async_engine.tokenizer.chat_template
     if template.source and not template.renders_tools:
         logger.info("the chat template does not render tools: a request's tools go into its system prompt, with "
                     "the <function=NAME>{JSON}</function> call syntax (docs/guided_decoding.md)")
@@ -185,11 +186,11 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def _drain_engine(self) -> None:
-        engine: AsyncLLMEngine = self.app.state.async_engine
+        engine: EngineClient = self.app.state.async_engine
         deadline = time.monotonic() + self.app.state.settings.shutdown_timeout_s
-        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline and not self._hurry:
+        while engine.has_unfinished_requests() and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
-        if engine.engine.has_unfinished_requests():
+        if engine.has_unfinished_requests():
             logger.warning("shutdown timeout: ending %d running and %d waiting requests",
                            engine.num_running, engine.num_waiting)
         await asyncio.to_thread(engine.shutdown, reason="the server is shutting down")

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_lp.engine.async_engine import EngineNotServingError
+from fastdeploy_lp.engine.protocol import EngineNotServingError
 from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError, from_error_dicts
 from fastdeploy_lp.entrypoints.openai.middleware import RequestTooLarge, too_large
 from fastdeploy_lp.entrypoints.openai.serving_engine import ClientDisconnected

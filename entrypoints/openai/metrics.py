@@ -33,7 +33,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fastdeploy_lp.engine.async_engine import AsyncLLMEngine, RequestStream
+from fastdeploy_lp.engine.protocol import EngineClient, RequestStream
 from fastdeploy_lp.engine.request import RequestOutput
 
 PREFIX = "fastdeploy_lp:"
@@ -44,9 +44,9 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 
 
 class ServerMetrics:
-    """Owns the registry; `observe` is the `AsyncLLMEngine` output observer."""
+    """Owns the registry; `observe` is the engine's output observer."""
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: EngineClient):
         self.registry = CollectorRegistry()
         r = self.registry
         running = Gauge(PREFIX + "num_requests_running", "Sequences in engine slots.", registry=r)
@@ -62,8 +62,8 @@ class ServerMetrics:
         self.finished = Counter(PREFIX + "request_finished", "Finished sequences by finish reason.",
                                 ["finish_reason"], registry=r)
         r.register(_ProcessorTimeCollector(engine))
-        r.register(_KVCacheCollector(engine.engine))
-        r.register(_SpeculativeCollector(engine.engine))
+        r.register(_KVCacheCollector(engine))
+        r.register(_SpeculativeCollector(engine))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
@@ -90,7 +90,7 @@ class ServerMetrics:
 class _ProcessorTimeCollector:
     """Per-processor time, read from `processor_timings()` at scrape time."""
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self):
@@ -109,30 +109,29 @@ class _ProcessorTimeCollector:
 class _KVCacheCollector:
     """Block pool and prefix-cache counters, read at scrape time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self):
-        pool, stats = self.engine.block_pool, self.engine.block_pool.stats
-        total = pool.num_blocks - 1
+        stats = self.engine.kv_cache_stats()
         for name, doc, value in (
-                ("kv_cache_blocks_in_use", "KV cache blocks held by requests.", pool.num_used),
-                ("kv_cache_blocks_total", "KV cache blocks in the pool.", total),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", pool.num_used / total),
-                ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", stats.hit_rate)):
+                ("kv_cache_blocks_in_use", "KV cache blocks held by requests.", stats.blocks_in_use),
+                ("kv_cache_blocks_total", "KV cache blocks in the pool.", stats.blocks_total),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use.", stats.usage),
+                ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
+                 stats.prefix_hit_rate)):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queried_tokens),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.hit_tokens),
-                ("num_preemptions", "Requests preempted to free KV cache blocks.",
-                 self.engine.scheduler.num_preemptions)):
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queried_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens),
+                ("num_preemptions", "Requests preempted to free KV cache blocks.", stats.preemptions)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 class _SpeculativeCollector:
     """Speculative decoding's counters per method, read at scrape time (nothing when it is off)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self):

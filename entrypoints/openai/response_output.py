@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser
+from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser
 from fastdeploy_lp.reasoning import ReasoningStream
 
 

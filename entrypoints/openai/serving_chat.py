@@ -27,14 +27,14 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy_lp.engine.async_engine import RequestStream
+from fastdeploy_lp.engine.protocol import RequestStream
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
                                                              engine_error_event, final_outputs, sse, usage,
                                                              value_errors_as_400)
+from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_tool_calls
 from fastdeploy_lp.processors.custom_backends import CustomBackend
-from fastdeploy_lp.processors.guided.tool_calls import (ToolCallParser, parameters_paths, parse_tool_calls,
-                                                       tool_call_constraint)
+from fastdeploy_lp.processors.guided.tool_calls import parameters_paths, tool_call_constraint
 from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
@@ -54,7 +54,7 @@ class ChatRun:
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.reasoning = get_reasoning_parser(self.engine.engine.fd_config.reasoning_parser)
+        self.reasoning = get_reasoning_parser(self.engine.fd_config.reasoning_parser)
 
     async def create(self, req: ChatCompletionRequest, raw: Request, headers: dict[str, str]) -> Response:
         run = await self.start(req)
@@ -107,14 +107,14 @@ class OpenAIServingChat(OpenAIServing):
         text = render_chat_prompt(self.tokenizer, [m.for_template() for m in req.messages],
                                   add_generation_prompt=req.add_generation_prompt, tools=req.tools_for_template(),
                                   chat_template_kwargs=req.chat_template_kwargs)
-        limit = self.engine.engine.fd_config.max_model_len
+        limit = self.engine.fd_config.max_model_len
         with value_errors_as_400({"prompt": "messages"}):
             return self.tokenizer.encode(text, add_special_tokens=False, limit=limit), text
 
     def fills_context(self, text: str) -> bool:
         """Whether `text` alone leaves no room in the context: which part of a prompt too long to run
         a 400 names (the Responses `instructions`, the Messages `system`)."""
-        limit = self.engine.engine.fd_config.max_model_len
+        limit = self.engine.fd_config.max_model_len
         try:
             return len(self.tokenizer.encode(text, limit=limit)) >= limit
         except ValueError:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy_lp.engine.async_engine import RequestStream
+from fastdeploy_lp.engine.protocol import RequestStream
 from fastdeploy_lp.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, abort_all,
                                                              choice_error, engine_error_event, final_outputs,

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from fastdeploy_lp.engine.async_engine import AsyncLLMEngine, EngineNotServingError, QueueFullError, RequestStream
+from fastdeploy_lp.engine.protocol import EngineClient, EngineNotServingError, QueueFullError, RequestStream
 from fastdeploy_lp.engine.request import Logprob, RequestOutput
 from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError, bad_request, from_value_error
 from fastdeploy_lp.processors.custom_backends import (BackendRequestError, CustomBackend, MalformedBackendResult,
@@ -43,14 +43,14 @@ def value_errors_as_400(renames: dict[str, str] | None = None):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], model_aliases: set[str]):
+    def __init__(self, engine: EngineClient, served_model_names: list[str], model_aliases: set[str]):
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.token_bytes = self.tokenizer.token_bytes  # logprobs read it; built here, not in a request's turn
         self.served_model_names = served_model_names
         self.model_aliases = model_aliases | set(served_model_names)
-        self.generation_defaults = dict(engine.engine.fd_config.model_config.generation_defaults)
-        self.guided_available = engine.engine.pipeline.serves_guided_decoding
+        self.generation_defaults = dict(engine.fd_config.model_config.generation_defaults)
+        self.guided_available = engine.serves_guided_decoding
 
     @property
     def model_name(self) -> str:
@@ -68,8 +68,8 @@ class OpenAIServing:
 
     def custom_backend(self, req) -> CustomBackend | None:
         """The custom backend this request runs under (its own choice, else the server default)."""
-        fd_config = self.engine.engine.fd_config
-        backends = self.engine.engine.context.custom_guided_decoding_backends
+        fd_config = self.engine.fd_config
+        backends = self.engine.custom_guided_decoding_backends
         name, field = req.requested_backend()
         if name is None:
             name = fd_config.guided_decoding_backend

@@ -26,7 +26,7 @@ from pydantic_core import from_json
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy_lp.engine.async_engine import EngineNotServingError
+from fastdeploy_lp.engine.protocol import EngineNotServingError
 from fastdeploy_lp.engine.request import RequestOutput
 from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error, renamed
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
@@ -35,7 +35,7 @@ from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicCountTo
 from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs, value_errors_as_400
 from fastdeploy_lp.entrypoints.openai.serving_tokenize import chat_prompt_ids
-from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser, parse_tool_calls
+from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_tool_calls
 from fastdeploy_lp.reasoning import ReasoningStream
 
 
@@ -71,7 +71,7 @@ class AnthropicServingMessages:
     def _check_thinking_budget(self) -> None:
         """`budget_tokens` is enforced by a processor reading `thinking_budget`; a server without one
         would let the model think past the budget, so the request is refused instead."""
-        processors = self.chat.engine.engine.pipeline.processors
+        processors = self.chat.engine.processors
         if not any("thinking_budget" in (type(p).declared_keys() or ()) for p in processors):
             raise bad_request("thinking.budget_tokens: this server enforces no thinking budget; start it with "
                               "--logits-processors ThinkingBudgetLogitsProcessor, or leave budget_tokens out "

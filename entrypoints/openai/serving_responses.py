@@ -32,7 +32,7 @@ from fastdeploy_lp.entrypoints.openai.response_output import OutputBuilder, new_
 from fastdeploy_lp.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs
-from fastdeploy_lp.processors.guided.tool_calls import ToolCallParser
+from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser
 from fastdeploy_lp.reasoning import ReasoningStream
 
 _STATUS = {"stop": "completed", "length": "incomplete", "error": "failed", "abort": "incomplete"}

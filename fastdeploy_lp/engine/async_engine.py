@@ -26,56 +26,11 @@ import uuid
 from typing import Any, Callable
 
 from fastdeploy_lp.engine.engine import LLMEngine
+from fastdeploy_lp.engine.protocol import EngineNotServingError, KVCacheStats, QueueFullError, RequestStream
 from fastdeploy_lp.engine.request import Request, RequestOutput
 from fastdeploy_lp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineNotServingError(RuntimeError):
-    """The engine thread is not running (not started yet, shut down, or stopped by an error)."""
-
-
-class QueueFullError(RuntimeError):
-    """Admitting the request would make more sequences wait than `max_waiting_requests` allows."""
-
-
-class RequestStream:
-    """The outputs of one request (all `n` choices), in the order the engine produced them."""
-
-    def __init__(self, request_id: str, child_ids: list[str], abort: Callable[[str], None]):
-        self.request_id = request_id
-        self.child_ids = child_ids
-        self.arrival_time = time.monotonic()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._unfinished = set(child_ids)
-        self._abort = abort
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def abort(self) -> None:
-        """Cancel every unfinished choice; a no-op once all have finished."""
-        if self._unfinished:
-            self._abort(self.request_id)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
 
 
 # Longer than any step that works: one 2,048-token prefill chunk of a 7B model takes minutes on a
@@ -85,6 +40,7 @@ DEFAULT_STALL_TIMEOUT_S = 600.0
 
 class AsyncLLMEngine:
     """Runs `engine.step()` on a daemon thread; `add_request` and streams live on the event loop.
+    It is the server's `EngineClient` (`protocol.py`): the only engine object the server holds.
 
     A watchdog thread checks that the engine makes progress: if requests wait and no step computed
     a token or finished a request for `stall_timeout_s` (a step that hangs, or steps that achieve
@@ -106,6 +62,7 @@ class AsyncLLMEngine:
         if stall_timeout_s is not None and not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s: must be > 0 (or None for no watchdog), got {stall_timeout_s!r}")
         self.engine = engine
+        self.fd_config, self.tokenizer = engine.fd_config, engine.tokenizer
         self.stall_timeout_s = stall_timeout_s
         self.stalled: str | None = None  # why the engine counts as stuck, while it does
         self.max_waiting_requests = max_waiting_requests
@@ -154,6 +111,35 @@ class AsyncLLMEngine:
     def processor_timings(self) -> dict[str, Any]:
         return self.engine.processor_timings()
 
+    def speculative_stats(self) -> dict[str, Any]:
+        return self.engine.speculative_stats()
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        pool = self.engine.block_pool
+        return KVCacheStats(blocks_in_use=pool.num_used, blocks_total=pool.num_blocks - 1,  # less the null block
+                            prefix_queried_tokens=pool.stats.queried_tokens, prefix_hit_tokens=pool.stats.hit_tokens,
+                            preemptions=self.engine.scheduler.num_preemptions)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # -- what requests may use ------------------------------------------------------------------
+    @property
+    def processors(self) -> list:
+        return self.engine.pipeline.processors
+
+    @property
+    def serves_guided_decoding(self) -> bool:
+        return self.engine.pipeline.serves_guided_decoding
+
+    @property
+    def custom_guided_decoding_backends(self) -> dict:
+        return dict(self.engine.context.custom_guided_decoding_backends)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.engine.runner.weight_bytes
+
     # -- requests (event loop) ------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
@@ -167,7 +153,7 @@ class AsyncLLMEngine:
         request alone is validated on a worker thread while the loop serves everyone else.
         """
         if not self.is_serving:
-            raise EngineNotServingError(self._not_serving_reason())
+            raise EngineNotServingError(self.not_serving_reason())
         n = params.n
         if self.max_waiting_requests is not None:
             free = self.engine.fd_config.max_num_seqs - self.num_running
@@ -280,7 +266,9 @@ class AsyncLLMEngine:
         for s in streams.values():
             s._put(error)
 
-    def _not_serving_reason(self) -> str:
+    def not_serving_reason(self) -> str | None:
+        if self.is_serving:
+            return None
         if self.stalled is not None:
             return self.stalled
         if self.error is not None:

@@ -6,7 +6,6 @@ server maps request fields to `GuidedDecodingParams` and tools to `tool_call_con
 
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler, GuidedDecodingError
 from fastdeploy_lp.processors.guided.processor import GuidedDecodingLogitsProcessor
-from fastdeploy_lp.processors.guided.tool_calls import parse_tool_calls, tool_call_constraint
+from fastdeploy_lp.processors.guided.tool_calls import tool_call_constraint
 
-__all__ = ["GrammarCompiler", "GuidedDecodingError", "GuidedDecodingLogitsProcessor", "parse_tool_calls",
-           "tool_call_constraint"]
+__all__ = ["GrammarCompiler", "GuidedDecodingError", "GuidedDecodingLogitsProcessor", "tool_call_constraint"]

@@ -17,8 +17,7 @@ def not_serving_reason(request: Request) -> str | None:
     """Why the server cannot take a request now (None: it can)."""
     if request.app.state.draining:
         return "the server is shutting down"
-    async_engine = request.app.state.async_engine
-    return None if async_engine.is_serving else async_engine._not_serving_reason()
+    return request.app.state.async_engine.not_serving_reason()
 
 
 def require_serving(request: Request) -> None:

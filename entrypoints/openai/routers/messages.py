@@ -11,7 +11,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from fastdeploy_lp.engine.async_engine import EngineNotServingError
+from fastdeploy_lp.engine.protocol import EngineNotServingError
 from fastdeploy_lp.entrypoints.openai.errors import RETRY_LATER, OpenAIError
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
 from fastdeploy_lp.entrypoints.openai.middleware import RequestTooLarge, too_large

@@ -36,15 +36,15 @@ async def list_logits_processors(request: Request):
     """The processors every request runs through, in order: `description` (the docstring's first
     paragraph), `doc` (the whole docstring: arguments and an example), and the JSON schema of the
     `logits_processors_args` keys each one reads (`args_schema`; None: it does not declare them)."""
-    engine = request.app.state.async_engine.engine
-    processors = engine.pipeline.processors
+    engine = request.app.state.async_engine
+    processors = engine.processors
     leading = len(processors) - len(engine.fd_config.logits_processors)
     return {"object": "list", "data": [_processor_card(type(p), position, position < leading)
                                        for position, p in enumerate(processors)]}
 
 
 def _model_card(state, name: str) -> dict:
-    engine = state.async_engine.engine
+    engine = state.async_engine
     model = engine.fd_config.model_config
     quantization = model.quantization
     if model.file_format == "gguf":  # the file's type mix: "gguf: Q4_K x168, Q6_K x25, F32 x65"
@@ -52,7 +52,7 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.started, "owned_by": "fastdeploy_lp",
             "root": state.settings.model_path, "max_model_len": engine.fd_config.max_model_len,
             "weight_dtype": model.weight_dtype, "quantization": quantization,
-            "weight_bytes": engine.runner.weight_bytes}
+            "weight_bytes": engine.weight_bytes}
 
 
 def _processor_card(cls: type, position: int, installed_by_engine: bool) -> dict:

@@ -30,7 +30,7 @@ async def tokenize_prompt(request: Request):
     state = request.app.state
     state.chat.check_model(body.model)
     headers = ignored_fields_header(request, body)
-    engine = state.async_engine.engine
+    engine = state.async_engine
     with value_errors_as_400():  # on a worker: counting an 8 MB text takes seconds, and may exceed the limit
         return await _answered_on_a_worker(headers, tokenize, engine.tokenizer, body, engine.fd_config.max_model_len)
 
@@ -42,7 +42,7 @@ async def detokenize_tokens(request: Request):
     request.app.state.chat.check_model(body.model)
     headers = ignored_fields_header(request, body)
     with value_errors_as_400():
-        return await _answered_on_a_worker(headers, detokenize, request.app.state.async_engine.engine.tokenizer, body)
+        return await _answered_on_a_worker(headers, detokenize, request.app.state.async_engine.tokenizer, body)
 
 
 async def _answered_on_a_worker(headers: dict[str, str], work, *args) -> Response:
