@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)) + [os.path.join(ROOT, "README.md")]
 # Where a bare file name in the docs may live (`scheduler.py` in a sentence about the engine).
 SOURCE_DIRS = ["", "fastdeploy_lp", "fastdeploy_lp/openai", "fastdeploy_lp/engine", "fastdeploy_lp/model",
-               "fastdeploy_lp/model/cpu_kernels", "fastdeploy_lp/distributed",
+               "fastdeploy_lp/model/cpu_kernels", "fastdeploy_lp/distributed", "fastdeploy_lp/executor",
                "fastdeploy_lp/tokenizer", "processors", "processors/builtin", "processors/guided", "entrypoints",
                "entrypoints/openai", "entrypoints/openai/routers", "tests", "bench", "train"]
 # Files a page tells the reader to write, not files of this repository.

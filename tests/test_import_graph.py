@@ -194,3 +194,39 @@ def test_processors_never_import_the_server():
     upward = [f"{m} imports {t}" for m, targets in sorted(graph.items()) if m.startswith("fastdeploy_lp.processors")
               for t in sorted(targets) if t.startswith("fastdeploy_lp.entrypoints")]
     assert upward == [], "\n".join(upward)
+
+
+# The package's parts from the bottom up: each imports only parts of the layers below its own.
+LAYERS = [
+    {"options", "envs", "block_formats"},
+    {"gguf_file"},
+    {"model_config", "tokenizer", "distributed", "reasoning"},  # distributed: the primitives the model uses
+    {"sampling_params", "speculative_config"},
+    {"sequence_limits"},
+    {"config"},
+    {"model", "processors"},
+    {"executor", "openai"},  # executor: the rank driver; openai: FastDeploy's import path for processors
+    {"engine"},
+    {"entrypoints"},
+    {""},  # the package's own __init__: the public names
+]
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_every_part_of_the_package_has_a_layer():
+    layered = set().union(*LAYERS)
+    assert {_part(m) for m in import_graph()} <= layered, "add the new part to LAYERS"
+    assert sum(len(layer) for layer in LAYERS) == len(layered)  # each part in one layer
+
+
+def test_parts_import_only_the_layers_below_them():
+    """Cycles are caught above; this keeps the direction: the model never imports the engine, the
+    processors never the server, the distributed primitives never their driver."""
+    level = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+    upward = sorted({f"{m} ({_part(m)}) imports {t} ({_part(t)})" for m, targets in import_graph().items()
+                     for t in targets if t != PACKAGE and _part(t) != _part(m)
+                     and level[_part(t)] >= level[_part(m)]})
+    assert upward == [], "imports against the layers:\n" + "\n".join(upward)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from fastdeploy_lp.distributed.runner import TensorParallelError
+from fastdeploy_lp.executor.tensor_parallel import TensorParallelError
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
 from fastdeploy_lp.engine.engine import LLMEngine

@@ -1,10 +1,9 @@
-"""Tensor parallelism on Paddle's distributed stack (docs/distributed.md).
+"""Tensor parallelism's primitives on Paddle's distributed stack (docs/distributed.md), below the
+model that uses them.
 
 `TensorShard` is the slice of the model one rank holds and the collectives that join the slices;
 `check_tensor_parallel` refuses, before any weight loads, a size the model or the machine cannot
-run. The runner that starts the ranks (`runner.TensorParallelRunner`) and the rank's own loop
-(`worker.run_worker`) are not imported here: they run the model's runner (`model.runner`), and the
-model imports `shard` from this package, so importing them here would close an import cycle.
+run. The ranks are started and driven from `fastdeploy_lp.executor`, above the model.
 """
 
 from fastdeploy_lp.distributed.checks import check_tensor_parallel

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from fastdeploy_lp.config import FDConfig
-from fastdeploy_lp.distributed.runner import TensorParallelRunner
+from fastdeploy_lp.executor.tensor_parallel import TensorParallelRunner
 from fastdeploy_lp.engine.kv_cache import BlockPool
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler

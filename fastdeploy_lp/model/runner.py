@@ -115,7 +115,7 @@ class ModelRunner:
     for the keys and one for the values of each layer (layers.AttentionBatch says how it is read).
 
     The engine runs this class when the model runs in the engine's process, and
-    `distributed.runner.TensorParallelRunner` (same interface) when it is split over
+    `executor.tensor_parallel.TensorParallelRunner` (same interface) when it is split over
     `tensor_parallel_size` processes (`engine.engine.build_runner`). Each of those processes runs a
     `ModelRunner` with a `shard`: its slice of the model, its KV heads' slice of the cache (same
     block ids everywhere).

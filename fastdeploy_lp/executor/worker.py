@@ -1,7 +1,7 @@
 """One tensor-parallel rank: started by `paddle.distributed.spawn`, it joins Paddle's process group,
 loads its shard of the model and KV cache, and runs the forward passes the driver sends.
 
-The conversation with the driver (`runner.TensorParallelRunner`) over this rank's pipe:
+The conversation with the driver (`tensor_parallel.TensorParallelRunner`) over this rank's pipe:
 
     rank -> driver   ("ready", num_blocks, weight_bytes)                 or ("error", exception, traceback text)
     driver -> rank   ("forward", feeds, fresh_blocks)

@@ -34,7 +34,7 @@ import paddle
 
 from fastdeploy_lp import envs
 from fastdeploy_lp.config import FDConfig
-from fastdeploy_lp.distributed.worker import WorkerSpec, run_worker
+from fastdeploy_lp.executor.worker import WorkerSpec, run_worker
 from fastdeploy_lp.model.runner import SequenceFeed, use_device
 
 logger = logging.getLogger(__name__)
