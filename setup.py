@@ -1,21 +1,27 @@
 """One install for the engine, the processors and the OpenAI-compatible server.
 
-`processors/` and `entrypoints/` live at the top of the repository and ship inside the
-`fastdeploy_lp` namespace: `fastdeploy_lp/processors` and `fastdeploy_lp/entrypoints` are relative
-symlinks to them. So the source tree imports exactly as it installs (`PYTHONPATH=.` is enough, and
-editors resolve `fastdeploy_lp.processors`), `pip install -e .` maps one directory, and
-`pip install .` copies the real files into the wheel (`find_packages` follows the links).
-Nothing named plain `processors` or `entrypoints` lands in site-packages.
+`processors/` and `entrypoints/` live at the top of the repository (the design card) and ship
+inside the `fastdeploy_lp` namespace through `package_dir`: `pip install .` copies them into the
+wheel as `fastdeploy_lp/processors` and `fastdeploy_lp/entrypoints`, `pip install -e .` maps them
+with setuptools' editable finder, and an uninstalled source tree (`PYTHONPATH=.`) finds them with
+`fastdeploy_lp/_source_tree.py`. Nothing named plain `processors` or `entrypoints` lands in
+site-packages.
 """
 
 from setuptools import find_packages, setup
+
+TOP_LEVEL_FOLDERS = ("processors", "entrypoints")  # as fastdeploy_lp/_source_tree.py resolves them
+PACKAGES = find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"])
+for _folder in TOP_LEVEL_FOLDERS:
+    PACKAGES += [f"fastdeploy_lp.{_folder}"] + [f"fastdeploy_lp.{_folder}.{p}" for p in find_packages(_folder)]
 
 setup(
     name="fastdeploy_lp",
     version="0.1.0",
     description="Paddle LLM inference engine with a registered logits-processor pipeline",
     python_requires=">=3.11",
-    packages=find_packages(include=["fastdeploy_lp", "fastdeploy_lp.*"]),
+    packages=PACKAGES,
+    package_dir={f"fastdeploy_lp.{folder}": folder for folder in TOP_LEVEL_FOLDERS},
     package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "blocks.h", "block_linear.h", "layer.h"]},
     install_requires=[
         "paddlepaddle>=3.0",

@@ -1,6 +1,9 @@
 """fastdeploy_lp: a Paddle LLM inference engine whose sampling path is a registered pipeline of
 logits processors, with an OpenAI-compatible server and an offline API."""
 
+from fastdeploy_lp._source_tree import find_top_level_folders
+
+find_top_level_folders()
 from fastdeploy_lp.config import FDConfig, ModelConfig
 from fastdeploy_lp.engine import LLM, LLMEngine, RequestOutput
 from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams

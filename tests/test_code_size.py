@@ -1,4 +1,4 @@
-"""Every module of the installed package (the symlinked `processors/` and `entrypoints/` included)
+"""Every module of the installed package (the top-level `processors/` and `entrypoints/` included)
 stays readable in one sitting: no file over 500 lines, no function over 60 (issue 22)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ inside functions and under `TYPE_CHECKING` included: hiding one there still leav
 depending on each other), and every import of the package is absolute.
 
 The graph is read statically from the installed package's files, so a cycle is caught even on a
-path no test happens to import. The symlinked `processors/` and `entrypoints/` folders are walked
+path no test happens to import. The top-level `processors/` and `entrypoints/` folders are walked
 under the package names they install as (`fastdeploy_lp.processors…`). Importing `a.b.c` also
 runs the `__init__` of package `a.b` (its re-exports included), so that is an edge too, except
 where the importer is inside `a.b`: its own packages are already being imported when it runs (or
@@ -17,19 +17,23 @@ import os
 from collections import deque
 
 PACKAGE = "fastdeploy_lp"
+TOP_LEVEL_FOLDERS = ("processors", "entrypoints")
 
 
 def package_files() -> dict[str, str]:
-    """Module name -> file for every module of the installed package."""
-    root = os.path.dirname(importlib.util.find_spec(PACKAGE).origin)
+    """Module name -> file for every module of the installed package, its mapped top-level folders
+    (`processors/`, `entrypoints/`) under the names they import as."""
     files = {}
-    for folder, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py"))]
-        relative = os.path.relpath(folder, root)
-        package = PACKAGE if relative == "." else ".".join([PACKAGE, *relative.split(os.sep)])
-        for f in names:
-            if f.endswith(".py"):
-                files[package if f == "__init__.py" else f"{package}.{f[:-3]}"] = os.path.join(folder, f)
+    for package in (PACKAGE, *(f"{PACKAGE}.{folder}" for folder in TOP_LEVEL_FOLDERS)):
+        root = importlib.util.find_spec(package).submodule_search_locations[0]
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py"))
+                       and f"{package}.{d}" not in files]
+            relative = os.path.relpath(folder, root)
+            name = package if relative == "." else ".".join([package, *relative.split(os.sep)])
+            for f in names:
+                if f.endswith(".py"):
+                    files[name if f == "__init__.py" else f"{name}.{f[:-3]}"] = os.path.join(folder, f)
     return files
 
 
@@ -120,7 +124,7 @@ def reaching(graph: dict[str, set[str]], target: str) -> set[str]:
     return reachable(reverse, target)
 
 
-def test_the_graph_sees_every_package_and_resolves_the_symlinked_folders():
+def test_the_graph_sees_every_package_and_the_mapped_folders():
     graph = import_graph()
     for module in ("fastdeploy_lp.config", "fastdeploy_lp.processors.guided.compiler",
                    "fastdeploy_lp.entrypoints.openai.api_server", "fastdeploy_lp.model.cpu_kernels"):
@@ -131,7 +135,7 @@ def test_the_graph_sees_every_package_and_resolves_the_symlinked_folders():
 
 
 def test_a_relative_import_resolves_from_the_package_name_not_the_real_path(tmp_path):
-    """`processors/guided/x.py` really lives outside `fastdeploy_lp/`; Python resolves its `...` from
+    """`processors/guided/x.py` lives outside `fastdeploy_lp/`; Python resolves its `...` from
     `fastdeploy_lp.processors.guided`, and so does the graph."""
     path = tmp_path / "x.py"
     path.write_text("from ...reasoning import get_reasoning_parser\nfrom ..base import ShareInputs\n"
@@ -153,7 +157,7 @@ def test_the_package_has_no_import_cycles():
 
 
 def test_the_package_imports_itself_only_absolutely():
-    """`from ..x import y` climbs out of a symlinked folder differently for every tool that reads
+    """`from ..x import y` climbs out of a mapped folder differently for every tool that reads
     real paths; one absolute style (`from fastdeploy_lp.… import …`) reads the same everywhere."""
     relative = []
     for module, path in sorted(package_files().items()):
@@ -198,7 +202,7 @@ def test_processors_never_import_the_server():
 
 # The package's parts from the bottom up: each imports only parts of the layers below its own.
 LAYERS = [
-    {"options", "envs", "block_formats"},
+    {"_source_tree", "options", "envs", "block_formats"},
     {"gguf_file"},
     {"model_config", "tokenizer", "distributed", "reasoning"},  # distributed: the primitives the model uses
     {"sampling_params", "speculative_config"},
