@@ -179,6 +179,7 @@ def test_streamed_tool_use_input_json_joins_to_the_plain_input(client, http):
 @pytest.mark.parametrize("change, status, kind, names", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
     ({"temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+    ({"top_k": 2**40}, 400, "invalid_request_error", "top_k: Input should be less than or equal to 2147483647"),
     ({"model": "claude-sonnet-4"}, 404, "not_found_error", "model"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "invalid_request_error", "messages[0].content[0]"),

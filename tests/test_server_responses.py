@@ -262,6 +262,8 @@ def test_logits_processors_args_apply_and_are_validated(server, client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, "tools"),
     ({"previous_response_id": "resp_missing"}, "previous_response_id"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # stored with the response: OpenAI's bounds
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
     ({"response_format": {"type": "json_object"}}, "response_format"),  # a constraint it does not read: never ignored
     ({"guided_json": {"type": "object"}}, "guided_json"),
 ])

@@ -173,7 +173,7 @@ class AnthropicMessagesRequest(BaseModel):
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="0 disables.")
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1, description="0 disables.")
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = Field(None, description="With --reasoning-parser: reasoning comes back as "

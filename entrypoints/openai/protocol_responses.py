@@ -178,7 +178,8 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     store: bool | None = Field(True, description="Keep the response (GET /v1/responses/{id}, previous_response_id) "
                                                  "in the server's bounded in-memory store.")
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(None, description="At most 16 pairs; keys up to 64 characters, values "
+                                                            "up to 512 (OpenAI's limits).")
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     service_tier: str | None = Field(None, description="Accepted; there is one tier.")
@@ -208,6 +209,18 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
             raise ValueError("input: needs at least one item")
         return self
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounded(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > 16:
+            raise ValueError(f"at most 16 pairs, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > 64 or len(text) > 512:
+                raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
+        return value
 
     def unknown_fields(self) -> list[str]:
         return sorted(_unknown_fields(self, ""))
