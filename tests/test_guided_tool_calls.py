@@ -72,10 +72,12 @@ def test_parse_tool_calls_splits_content_and_calls():
     assert parse_tool_calls("") == (None, [])
     assert parse_tool_calls('<function=f> {"a": 1}\n</function>') == (
         None, [{"name": "f", "arguments": '{"a": 1}', "complete": True}])
-    # cut by max_tokens: a call with what was written, as streamed; only a cut name stays text
+    # cut by max_tokens: a call with what was written, as streamed; a header cut inside a tool's
+    # name is syntax, neither a call nor content; a name no tool has is text
     cut = {"name": "get_date", "arguments": '{"timezone": "U', "complete": False}
     assert parse_tool_calls('x <function=get_date>{"timezone": "U') == ("x", [cut])
-    assert parse_tool_calls('x <function=get_da') == ("x <function=get_da", [])
+    assert parse_tool_calls('x <function=get_da', names=["get_date"]) == ("x", [])
+    assert parse_tool_calls('x <function=nope', names=["get_date"]) == ("x <function=nope", [])
 
 
 def test_strict_function_closes_its_objects():

@@ -184,7 +184,8 @@ def test_a_cut_call_has_one_shape_streamed_and_not_on_every_api(server, client, 
     """Cut by max_tokens after its name, a call is a call with the arguments written so far, the same
     streamed and not: chat `tool_calls` (finish "length"), a Messages `tool_use` block whose input is
     the partial JSON read as Anthropic's SDK reads it (stop "max_tokens"), a Responses
-    `function_call` item with status "incomplete". Cut inside its name, it is text everywhere."""
+    `function_call` item with status "incomplete". Cut inside its name, it is nothing: the call
+    syntax never reaches the content."""
     kw = dict(model="default-model", messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0,
               max_tokens=max_tokens)
     whole = client.chat.completions.create(**kw).choices[0]
@@ -195,6 +196,7 @@ def test_a_cut_call_has_one_shape_streamed_and_not_on_every_api(server, client, 
         [(c["name"], c["arguments"]) for c in calls.values()]
     cut = bool(calls)
     assert cut == (max_tokens > 3)  # three tokens end inside "<function=get_weather>"
+    assert "<function" not in content
 
     claude = anthropic_client(server)
     mkw = dict(model="default-model", max_tokens=max_tokens, messages=ASK, extra_body={"temperature": 0},
@@ -209,6 +211,7 @@ def test_a_cut_call_has_one_shape_streamed_and_not_on_every_api(server, client, 
     assert shape == [(b.type, getattr(b, "name", None), getattr(b, "input", None), getattr(b, "text", None))
                      for b in streamed.content]
     assert [b.type for b in message.content] == (["tool_use"] if cut else ["text"])
+    assert all("<function" not in (getattr(b, "text", None) or "") for b in message.content)
 
     rkw = dict(model="default-model", input=ASK[0]["content"], max_output_tokens=max_tokens, temperature=0,
                tools=[{"type": "function", **t["function"]} for t in TOOLS],
@@ -219,6 +222,7 @@ def test_a_cut_call_has_one_shape_streamed_and_not_on_every_api(server, client, 
     items = [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None)) for i in response.output]
     assert items == [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None))
                      for i in rstreamed.output]
+    assert all("<function" not in str(getattr(i, "content", "")) for i in response.output)
     if cut:  # an item is complete once its arguments are (11 tokens end before "</function>")
         status = "completed" if max_tokens == 11 else "incomplete"
         assert items == [("function_call", status, "get_weather", calls[0]["arguments"])]

@@ -59,8 +59,9 @@ class ToolCallParser:
       value exactly as generated; whitespace around the value is not part of it).
     - `("end", index)`: the call's JSON value was valid JSON and `</function>` followed.
 
-    `finish()` flushes held-back content at the end of the output. A `<function=` whose name is not
-    among `names` (or is not a name) is content. A call whose text stops being one JSON value then
+    `finish()` flushes held-back content at the end of the output; a call header cut inside its
+    name (`<function=get_wea`, a prefix of one of `names`) is neither content nor a call. A
+    `<function=` whose name is not among `names` (or is not a name) is content. A call whose text stops being one JSON value then
     `</function>` is marked `failed` and the parser goes back to reading content (only possible
     without the grammar). At most `max_calls` calls are read; after that `<function=` is content.
 
@@ -80,6 +81,7 @@ class ToolCallParser:
         self._state = _TEXT
         self._call: ParsedCall | None = None
         self._call_start = 0
+        self._cut_header: int | None = None  # where a call header cut inside its name starts
         self._value_end = 0        # just past the current call's JSON value
         self._depth = 0
         self._in_string = False
@@ -105,8 +107,13 @@ class ToolCallParser:
         events: list[tuple] = []
         while self._step(events, final=True):
             pass
-        if self._state == _NAME:  # `<function=` and a name that never closed: not a call, text
-            self._content(events, CALL_BEGIN)
+        if self._state == _NAME:  # `<function=` and a name that never closed
+            partial = self._buf[self._i:]
+            if self.names is None or any(name.startswith(partial) for name in self.names):
+                self._cut_header = self._base + self._call_start  # a call's header, cut: syntax, not text
+                self._i = len(self._buf)
+            else:
+                self._content(events, CALL_BEGIN)
             self._state = _TEXT
         if self._state == _TEXT and self._i < len(self._buf):
             self._content(events, self._buf[self._i:])
@@ -129,7 +136,7 @@ class ToolCallParser:
             if not c.failed:
                 parts.append(self.text[pos:c.start])
                 pos = c.end if c.complete else len(self.text)
-        parts.append(self.text[pos:])
+        parts.append(self.text[pos:self._cut_header])
         return "".join(parts).strip() or None
 
     # -- states -----------------------------------------------------------------------------------
