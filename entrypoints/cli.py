@@ -1,7 +1,7 @@
 """The `fastdeploy-lp` command.
 
     fastdeploy-lp demo                      # a short offline demo on the built-in model
-    fastdeploy-lp serve --port 8180 ...     # the OpenAI-compatible server (see `serve --help`)
+    fastdeploy-lp serve --model DIR ...     # the OpenAI-compatible server (see `serve --help`)
 
 Also runnable as `python -m fastdeploy_lp.entrypoints.cli`.
 """

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fastdeploy_lp.engine.runner import MKL_CPU_TYPE
+from fastdeploy_lp.model.runner import MKL_CPU_TYPE
 from fastdeploy_lp.model import cpu_features
 
 SNIPPET = ("import os, logging; logging.basicConfig(level=logging.INFO);"

@@ -23,7 +23,7 @@ from conftest import FIXTURE_MODELS, fixture_dir, load_reference
 from server_harness import start_server
 
 from fastdeploy_lp import LLM, GuidedDecodingParams, SamplingParams
-from fastdeploy_lp.engine.runner import SequenceFeed
+from fastdeploy_lp.model.runner import SequenceFeed
 from fastdeploy_lp.entrypoints.openai import api_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-    python -m fastdeploy_lp.entrypoints.openai.api_server --model DIR --port 8180 \\
+    python -m fastdeploy_lp.entrypoints.openai.api_server --model DIR --port 8000 \\
         --logits-processors LogitBiasLogitsProcessor
 
 Start-up builds the engine before the socket opens, so a bad `--model` or `--logits-processors`

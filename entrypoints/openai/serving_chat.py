@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy_lp.engine.protocol import RequestStream
-from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
                                                              engine_error_event, final_outputs, sse, usage,
                                                              value_errors_as_400)
@@ -37,6 +37,7 @@ from fastdeploy_lp.processors.custom_backends import CustomBackend
 from fastdeploy_lp.processors.guided.tool_calls import parameters_paths, tool_call_constraint
 from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
+from fastdeploy_lp.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -104,12 +105,10 @@ class OpenAIServingChat(OpenAIServing):
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
         """The rendered prompt's token ids and text."""
-        text = render_chat_prompt(self.tokenizer, [m.for_template() for m in req.messages],
-                                  add_generation_prompt=req.add_generation_prompt, tools=req.tools_for_template(),
-                                  chat_template_kwargs=req.chat_template_kwargs)
-        limit = self.engine.fd_config.max_model_len
         with value_errors_as_400({"prompt": "messages"}):
-            return self.tokenizer.encode(text, add_special_tokens=False, limit=limit), text
+            return chat_prompt(self.tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
+                               chat_template_kwargs=req.chat_template_kwargs,
+                               limit=self.engine.fd_config.max_model_len)
 
     def fills_context(self, text: str) -> bool:
         """Whether `text` alone leaves no room in the context: which part of a prompt too long to run
@@ -293,6 +292,20 @@ def _tool_deltas(events: list[tuple]) -> list[dict]:
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[ToolDefinition] | None, *,
+                add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+                add_special_tokens: bool = False, limit: int | None = None) -> tuple[list[int], str]:
+    """The ids and text of a chat's prompt, as /v1/chat/completions renders and encodes it (the
+    template writes the special tokens, so none are added by default); /tokenize and
+    /v1/messages/count_tokens count with it. `limit`: refuse a text certainly longer than that many
+    tokens without encoding all of it. Raises ValueError("field: ...")."""
+    text = render_chat_prompt(tokenizer, [m.for_template() for m in messages],
+                              add_generation_prompt=add_generation_prompt,
+                              tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                              chat_template_kwargs=chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=limit), text
 
 
 def _split_tool_calls(text: str, finish: str | None, parse) -> tuple[str | None, list[dict] | None, str | None]:

@@ -32,9 +32,8 @@ from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, fr
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
+from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, chat_prompt
 from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs, value_errors_as_400
-from fastdeploy_lp.entrypoints.openai.serving_tokenize import chat_prompt_ids
 from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_tool_calls
 from fastdeploy_lp.reasoning import ReasoningStream
 
@@ -82,8 +81,8 @@ class AnthropicServingMessages:
         chat_req = _chat_request(req)
         self.chat.check_model(chat_req.model)
         with value_errors_as_400():  # on a worker, as /tokenize: a count may run to megabytes of text
-            ids = await asyncio.to_thread(chat_prompt_ids, self.chat.tokenizer, chat_req.messages, chat_req.tools,
-                                          chat_template_kwargs=chat_req.chat_template_kwargs)
+            ids, _ = await asyncio.to_thread(chat_prompt, self.chat.tokenizer, chat_req.messages, chat_req.tools,
+                                             chat_template_kwargs=chat_req.chat_template_kwargs)
         return JSONResponse({"input_tokens": len(ids)}, headers=headers)
 
     def _message(self, message_id: str, out: RequestOutput, run: ChatRun) -> dict:

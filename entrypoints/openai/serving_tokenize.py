@@ -3,11 +3,8 @@ found by the same calls the generation endpoints make, so `count` is their `prom
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastdeploy_lp.entrypoints.openai.protocol import ChatMessage, ToolDefinition
 from fastdeploy_lp.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
-from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
+from fastdeploy_lp.entrypoints.openai.serving_chat import chat_prompt
 from fastdeploy_lp.tokenizer.tokenizer import Tokenizer
 
 
@@ -16,25 +13,13 @@ def tokenize(tokenizer: Tokenizer, req: TokenizeRequest, max_model_len: int) -> 
     if req.prompt is not None:  # /v1/completions encodes a text prompt with the special tokens
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
-        ids = chat_prompt_ids(tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
-                              chat_template_kwargs=req.chat_template_kwargs,
-                              add_special_tokens=bool(req.add_special_tokens))
+        ids, _ = chat_prompt(tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
+                             chat_template_kwargs=req.chat_template_kwargs,
+                             add_special_tokens=bool(req.add_special_tokens))
     out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
     return out
-
-
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[ToolDefinition] | None, *,
-                    add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                    add_special_tokens: bool = False) -> list[int]:
-    """The prompt ids of a chat as /v1/chat/completions renders and encodes it (the template writes
-    the special tokens, so none are added by default). Raises ValueError("field: ...")."""
-    text = render_chat_prompt(tokenizer, [m.for_template() for m in messages],
-                              add_generation_prompt=add_generation_prompt,
-                              tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                              chat_template_kwargs=chat_template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def detokenize(tokenizer: Tokenizer, req: DetokenizeRequest) -> dict:
