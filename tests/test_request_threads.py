@@ -9,6 +9,7 @@ to a worker thread (`asyncio.to_thread`, `run_in_executor(None, …)`) shows up.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
@@ -60,7 +61,8 @@ class RecordingExecutor(ThreadPoolExecutor):
         self.submitted: list[str] = []
 
     def submit(self, fn, /, *args, **kwargs):
-        self.submitted.append(getattr(fn, "__qualname__", type(fn).__name__))
+        work = fn.args[0] if isinstance(fn, functools.partial) and fn.args else fn  # asyncio.to_thread's ctx.run
+        self.submitted.append(getattr(work, "__qualname__", type(work).__name__))
         return super().submit(fn, *args, **kwargs)
 
 
@@ -113,7 +115,12 @@ def _run(server, path: str, body: dict) -> tuple[list[str], list[tuple[str, str]
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True}),
     ("/v1/completions", {"prompt": "Hello there", "logprobs": 2}),
     ("/v1/completions", {"prompt": ["One", "Two prompts"], "stream": True}),
-], ids=["chat", "chat-stream", "completion", "completion-batch-stream"])
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 3}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 3, "stream": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "stream": True}),
+], ids=["chat", "chat-stream", "completion", "completion-batch-stream", "responses", "responses-stream",
+        "messages", "messages-stream"])
 def test_a_request_runs_on_the_event_loop_and_the_engine_thread_only(server, path, body):
     submitted, calls, routed_on = _run(server, path, body)
     assert submitted == [], "a request without a constraint must not wait on a worker thread"
@@ -129,4 +136,12 @@ def test_only_a_constrained_request_is_admitted_on_a_worker_thread(server):
     assert submitted == ["LLMEngine.make_requests"]  # the grammar compiles there, nothing else leaves the loop
     assert {t for c, t in calls if c == "validate_request"} <= {f"test-worker_{i}" for i in range(2)}
     assert {t for c, t in calls if c != "validate_request"} == {PROCESSOR_THREAD}
+    assert set(routed_on) == {LOOP_THREAD}
+
+
+def test_a_large_body_is_parsed_on_a_worker_thread_and_nothing_else_leaves_the_loop(server):
+    padding = "x" * (80 << 10)  # an ignored field: the body is over request_body.INLINE_PARSE_BYTES
+    submitted, calls, routed_on = _run(server, "/v1/completions", {"prompt": "Hello", "padding": padding})
+    assert submitted == ["parse_json_body"]
+    assert {t for c, t in calls if c == "validate_request"} == {LOOP_THREAD}
     assert set(routed_on) == {LOOP_THREAD}
