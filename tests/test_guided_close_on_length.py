@@ -7,6 +7,7 @@ import json
 import os
 
 import jsonschema
+import numpy as np
 import pytest
 
 from fastdeploy_lp import LLM, GuidedDecodingParams, SamplingParams
@@ -96,3 +97,100 @@ def test_the_closing_is_valid_from_inside_strings_numbers_and_escapes(llm, prefi
     assert text.startswith(cut), text
     jsonschema.validate(json.loads(text), PERSON)
     assert not matcher.is_accepting()  # the search works on a copy
+
+
+# Issue 35 item 5: a date and an email at max_tokens 42-44 ended inside the email ("the closing
+# needs 26 tokens, 22 are left"); minProperties closed with `{"": 0, "": 0}` (one property parsed).
+DATE_EMAIL = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "e": {"type": "string", "format": "email"}}, "required": ["d", "e"]}
+MIN_PROPERTIES = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+LINKED = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+          "required": ["v", "next"]}
+
+
+@pytest.mark.parametrize("schema, budgets", [(DATE_EMAIL, (42, 43, 44)), (MIN_PROPERTIES, (11, 12))])
+def test_the_budgets_issue_35_reported_end_in_a_document_that_validates(llm, schema, budgets):
+    params = [_params(seed, max_tokens, True, schema=schema) for max_tokens in budgets for seed in range(3)]
+    for p, out in zip(params, llm.chat([MESSAGES] * len(params), params, use_tqdm=False)):
+        o = out.outputs
+        assert o.finish_reason == "stop" or (o.finish_reason == "length" and o.closed_on_length), (p.max_tokens, o)
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_min_properties_in_10_tokens_is_refused_rather_than_closed_with_one_key_twice(llm):
+    """`{"": 0, "": 0}` fit 10 tokens but parses to one property; two distinct keys need 11."""
+    with pytest.raises(ValueError, match=r"^max_tokens: close_on_length needs room .* \(11 tokens\); max_tokens is 10"):
+        llm.chat(MESSAGES, _params(0, 10, True, schema=MIN_PROPERTIES), use_tqdm=False)
+
+
+@pytest.mark.parametrize("schema, prefix, longest", [
+    (DATE_EMAIL, '{"d": "2020-01-01", "e": "population', 4),  # `@0"}`: not every byte but `@` first
+    (DATE_EMAIL, '{"d": "20', 20),                            # the date's digits, then the shortest email
+    (MIN_PROPERTIES, "{", 12),                                # `{"": 0, "0": 0}`: distinct keys
+    (MIN_PROPERTIES, '{"a": 1, "a": 2', 6),                   # a key written twice counts once
+    (LINKED, "", 14),                                         # `null`, not one more object forever
+    ({"anyOf": [{"type": "integer", "minimum": 1000}, {"type": "string", "format": "uuid"}]}, "", 4),
+    ({"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}, '"Q', 7),
+    ({"enum": ["extra-large", "xl", 12345]}, "", 5),
+])
+def test_the_closing_is_short_and_valid_where_a_format_key_or_branch_decides(llm, schema, prefix, longest):
+    guide = llm.engine.pipeline.processors[0]
+    matcher = guide.compiler.compile(GuidedDecodingParams(json=schema)).new_matcher()
+    assert not prefix or matcher.consume_tokens(guide.tokenizer.encode(prefix, add_special_tokens=False))
+    syntax = JsonSyntax()
+    syntax.feed(prefix.encode())
+    closing = guide._search().closing(matcher, syntax)
+    assert closing is not None and len(closing) <= longest, closing and guide.tokenizer.decode(closing)
+    jsonschema.validate(json.loads(prefix + guide.tokenizer.decode(closing)), schema)
+
+
+def test_one_token_adds_no_more_to_the_closing_than_the_schema_bound_allows(llm):
+    """The bound the reserve rests on (`closing_bound.py`), along random walks through each grammar
+    (any allowed token, not just what the model likes): after a sampled token the closing is at most
+    `(1 + its count of { [ " , :) * unit` bytes longer; after tokens the grammar forces, no longer."""
+    guide = llm.engine.pipeline.processors[0]
+    search, rng = guide._search(), np.random.default_rng(0)
+    for schema in (PERSON, DATE_EMAIL, MIN_PROPERTIES, LINKED, {"type": "object", "properties": {"a": {
+            "type": "object", "properties": {"b": {"type": "string", "minLength": 12}, "c": {"type": "array",
+            "minItems": 3, "items": {"type": "string", "pattern": "^[a-f]{4}$"}}}, "required": ["b", "c"]}}}):
+        compiled = guide.compiler.compile(guide._with_server_defaults(GuidedDecodingParams(json=schema)))
+        unit = compiled.closing_step
+        for _ in range(3):
+            matcher, syntax = compiled.new_matcher(), JsonSyntax()
+            before = len(search.bytes_of(search.closing(matcher, syntax)))
+            for _ in range(30):
+                tokens = matcher.compute_ff_tokens()
+                growth = 0
+                if not tokens:
+                    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+                    allowed = np.setdiff1d(np.flatnonzero(bits[:len(search.openers)]), guide.eos_token_ids)
+                    if not len(allowed):
+                        break
+                    tokens = [int(rng.choice(allowed))]
+                    growth = search.growth(tokens, unit)
+                assert matcher.consume_tokens(tokens)
+                syntax.feed(search.bytes_of(tokens))
+                after = len(search.bytes_of(search.closing(matcher, syntax)))
+                assert after <= before + growth, (schema, search.bytes_of(tokens), before, after, growth)
+                before = after
+
+
+def test_a_schema_no_budget_can_close_is_refused_up_front_naming_max_tokens(llm):
+    long_string = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1100}}, "required": ["s"]}
+    with pytest.raises(ValueError, match=r"^max_tokens: close_on_length cannot close this JSON constraint"):
+        llm.chat(MESSAGES, _params(0, 1900, True, schema=long_string), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^max_tokens: close_on_length needs room .* \(\d+ tokens\); max_tokens is 5"):
+        llm.chat(MESSAGES, _params(0, 5, True, schema=DATE_EMAIL), use_tqdm=False)
+
+
+def test_a_schema_the_bound_cannot_read_checks_every_step_and_still_closes(llm):
+    """`\\p{L}` is llguidance's, not Python's: no step bound, so every step keeps only checked tokens."""
+    letters = {"type": "object", "properties": {"w": {"type": "string", "pattern": "^\\p{L}+$"},
+                                                "n": {"type": "integer"}}, "required": ["w", "n"]}
+    guide = llm.engine.pipeline.processors[0]
+    assert guide.compiler.compile(guide._with_server_defaults(GuidedDecodingParams(json=letters))).closing_step is None
+    params = [_params(seed, max_tokens, True, schema=letters) for seed in range(2) for max_tokens in (12, 30)]
+    for out in llm.chat([MESSAGES] * len(params), params, use_tqdm=False):
+        assert out.outputs.finish_reason == "stop" or out.outputs.closed_on_length, out.outputs
+        value = json.loads(out.outputs.text)  # (jsonschema's regexes are Python's: checked by hand)
+        assert value["w"].isalpha() and isinstance(value["n"], int), value

@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 from server_harness import start_server
-from test_guided_close_on_length import MESSAGES, PERSON
+from test_guided_close_on_length import DATE_EMAIL, MESSAGES, MIN_PROPERTIES, PERSON
+from test_guided_close_on_length_sweep import SCHEMAS
 
 from fastdeploy_lp.config import default_model_path
 
@@ -100,3 +101,23 @@ def test_responses_text_format_closes_on_length_as_chat_does(client):
     assert cut.status == "incomplete" and "closed_on_length" not in (cut.model_extra or {})
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.output_text)
+
+
+@pytest.mark.parametrize("schema, max_tokens", [
+    (DATE_EMAIL, 44), (MIN_PROPERTIES, 11), (SCHEMAS["nested_arrays"], 25), (SCHEMAS["enums"], 30),
+    (SCHEMAS["uri_uuid_date_time"], 20)])
+def test_streamed_and_not_the_same_closed_document_that_validates(client, schema, max_tokens):
+    """Issue 35 item 5 through the server: the budgets that ended inside an email, or with one key
+    twice, close the same way whether streamed or not, and the result validates."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    whole = _chat(client, max_tokens=max_tokens, seed=max_tokens, response_format=fmt,
+                  extra_body={"structured_outputs": {"close_on_length": True}}).choices[0]
+    chunks = list(_chat(client, max_tokens=max_tokens, seed=max_tokens, response_format=fmt, stream=True,
+                        extra_body={"structured_outputs": {"close_on_length": True}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert text == whole.message.content
+    assert (last.finish_reason, getattr(last, "closed_on_length", None)) == \
+        (whole.finish_reason, getattr(whole, "closed_on_length", None))
+    assert (whole.finish_reason, getattr(whole, "closed_on_length", None)) in (("length", True), ("stop", None))
+    jsonschema.validate(json.loads(text), schema)

@@ -1,4 +1,4 @@
-"""Close-on-length: a JSON-constrained output that runs out of `max_tokens` still parses.
+"""Close-on-length: a JSON-constrained output that runs out of `max_tokens` still parses and validates.
 
 Asked for with `GuidedDecodingParams(close_on_length=True)` (server: `"structured_outputs":
 {"close_on_length": true}`, or `--guided-close-on-length` as the default):
@@ -9,25 +9,31 @@ Asked for with `GuidedDecodingParams(close_on_length=True)` (server: `"structure
     out = LLM().generate("Bio: ", params)[0].outputs
     json.loads(out.text); out.finish_reason, out.closed_on_length     # ('length', True)
 
-`ClosingSearch.closing` finds a short completion from a matcher's state to an accepting one (the
-string cut and closed, open arrays and objects closed, required keys given short valid values):
-a walk that, at each step, takes the grammar's forced tokens or else the first byte the grammar
-allows from a list that `JsonSyntax` (where in the JSON text the output is) ranks by how directly
-it closes: `"` in a string, `}` / `]` after a value, `0` where a value starts. Every byte is checked
-against the matcher's mask, so the closing is always valid; schema rules the ranking does not know
-(a minLength, a pattern, an enum) make it take the allowed byte it has used least, so it does not
-go round in circles. The bytes are then re-tokenized into fewer tokens when the matcher accepts them.
+`ClosingSearch.closing` finds a short completion from a matcher's state to an accepting one, checked
+against the matcher at every byte, so it is always valid: the grammar's forced tokens where it has
+them; else the byte `JsonSyntax` (where in the JSON text the output is) ranks as most closing — `"`
+in a string, `}` / `]` after a value — with distinct keys where it must add some (`minProperties`);
+where a value starts, the value whose completion is shortest (`0`, `""`, `null`, or the shortest of
+the values that need more, each walked with a bound); and inside a string, number or key whose
+rules the ranking does not know (a `format`, `pattern`, `enum`, `minLength`), the shortest bytes to
+where it may end, found breadth-first over one byte of each kind per step (`_lexeme_path`).
 
-`LengthCloser` is one request's use of it: the closing's length is the reserve. Under a reasoning
-parser, while the model thinks, the reserve is the end tag plus the answer's shortest closing, and
-the end tag is forced when the budget comes down to it, so the answer still gets its closing. Its walk runs only
-in the last stretch of the budget (remaining <= 4 x closing + 64 tokens, so long requests do no
-work for most of their steps), and reuses the previous closing when the output followed it. When
-the remaining budget equals the reserve, the closing becomes the request's forced tokens and the
-output ends with them at `max_tokens` ("length"). In the last `ZONE` tokens before that, one
-sampled token could open more than the budget can close (`{` of an object with required keys): there
-the processor keeps only tokens whose own closing still fits (`safe_tokens`, checked for the
-`TOP_K` most likely tokens and the closing's first token, which always fits).
+`LengthCloser` is one request's use of it. The invariant: the closing from the output's current state
+fits the budget left (`max_tokens` minus the output). It knows an upper bound on the closing's bytes
+(`bound`, exact while it has a closing, `plan`) and, from the schema, on what one sampled token can
+add to it: `(1 + n) * unit` bytes for a token with `n` of the bytes `{ [ " , :` (`closing_bound.py`).
+While the bound plus what the most such token can add fits the budget left, nothing is done
+(`dormant`: far from the end, no search). Past that, the closing is kept exact — reused while the
+output follows it or it still closes the output, else searched again — and each step's mask keeps
+only the tokens after which a closing still fits: those whose possible growth fits (one vectorised
+compare over the vocabulary by their count of such bytes), plus the most likely others (of the
+`TOP_K`, in order, until they hold `CANDIDATE_MASS` of their probability) and the closing's first
+token, each checked by a closing from the state after it; the checked closing of the token sampled
+becomes the plan. When the budget left equals the closing, the closing becomes
+the request's forced tokens and the output ends with them at `max_tokens` ("length"). Under a
+reasoning parser, while the model thinks, the end tag is forced when the budget left is the tag plus
+the answer's closing. A closing that cannot be found or does not fit (it would take a search that
+misses a much shorter one) fails the request with a message: never a silently invalid output.
 """
 
 from __future__ import annotations
@@ -40,36 +46,49 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAX_CLOSING_TOKENS = 256  # a longer closing is not searched for: the request ends as without the option
-ZONE = 16  # tokens before the reserve where each sampled token must leave a closing that fits
-TOP_K = 8  # candidate tokens checked per step in that zone
+MAX_CLOSING_BYTES = 1024  # a longer closing is not searched for: the schema is refused, or kept below it
+MARGIN = 8  # bytes kept beyond the bound, for a search that finds a slightly longer closing than the shortest
+TOP_K = 8  # the most likely tokens checked per step when their growth does not fit
+CANDIDATE_MASS = 0.99  # ... checked in order of likelihood until they hold this much of the TOP_K's probability
+LEXEME_NODES = 4000  # matcher states one breadth-first lexeme search may visit
 
-_VALUE = b'0"[{nft-123456789'  # shortest JSON values first: 0, "", [], {}, null, false, true
+_OPENERS = b'{[",:'  # the bytes that start a value, key or item: each may lengthen the closing
+_VALUE = b'0"[{nft-123456789'  # where a value starts: the shortest JSON values first
+_KEY_FILL = b"0123456789abcdefghijklmnopqrstuvwxyz"  # what makes a key the closing adds distinct
+_FOLLOW = np.frombuffer(b",]} \t\r\n", dtype=np.uint8)  # what may follow a complete number or literal
 _PREFERENCES = {
-    "string": b'"', "key_string": b'"', "escape": b"n\"\\/", "unicode": b"0", "colon": b":",
-    "key": b'"}', "object_start": b'}"', "array_start": b"]" + _VALUE, "value": _VALUE,
+    "string": b'"', "escape": b"n\"\\/", "unicode": b"0", "colon": b":", "key": b'"}', "object_start": b'}"',
+    "array_start": b"]" + _VALUE, "value": _VALUE,
 }
+_DIGITS, _LOWER, _UPPER = np.arange(48, 58), np.arange(97, 123), np.arange(65, 91)
+_PUNCTUATION = np.array([32] + list(range(33, 48)) + list(range(58, 65)) + list(range(91, 97)) + list(range(123, 127)))
 
 
 class JsonSyntax:
-    """Where a JSON text is, byte by byte: the open containers, and what may come next. Only a
-    ranking hint for the closing walk (the matcher decides what is valid), so it is lenient."""
+    """Where a JSON text is, byte by byte: the open containers (with each object's keys), and what
+    may come next. Only a ranking hint for the closing walk (the matcher decides what is valid), so
+    it is lenient."""
 
-    __slots__ = ("stack", "mode", "hex_left")
+    __slots__ = ("hex_left", "in_key", "key", "mode", "objects", "stack")
 
     def __init__(self):
         self.stack: list[int] = []  # the closing bytes of the open containers: ord("}") or ord("]")
+        self.objects: list[list] = []  # each open object's [keys written, keys written twice not yet made up]
         self.mode = "value"
         self.hex_left = 0
+        self.in_key = False  # the string being written is a key
+        self.key = b""  # ... and its bytes so far
 
-    def copy(self) -> "JsonSyntax":
+    def copy(self) -> JsonSyntax:
         other = JsonSyntax()
         other.stack, other.mode, other.hex_left = list(self.stack), self.mode, self.hex_left
+        other.objects = [[set(keys), debt] for keys, debt in self.objects]
+        other.in_key, other.key = self.in_key, self.key
         return other
 
     def feed(self, data: bytes) -> None:
         for b in data:
-            if self.mode in ("string", "key_string", "escape", "unicode"):
+            if self.mode in ("string", "escape", "unicode"):
                 self._in_string(b)
             else:
                 self._outside_string(b)
@@ -84,7 +103,23 @@ class JsonSyntax:
         elif b == ord("\\"):
             self.mode = "escape"
         elif b == ord('"'):
-            self.mode = "colon" if self.mode == "key_string" else "after"
+            if self.in_key:
+                self._key_written()
+            self.mode = "colon" if self.in_key else "after"
+            self.in_key = False
+            return
+        if self.in_key:
+            self.key += bytes([b])
+
+    def _key_written(self) -> None:
+        if not self.objects:
+            return
+        entry = self.objects[-1]
+        if self.key in entry[0]:
+            entry[1] += 1  # parsed, the object has one property fewer than the grammar counted
+        else:
+            entry[0].add(self.key)
+            entry[1] = max(0, entry[1] - 1)
 
     def _outside_string(self, b: int) -> None:
         c = chr(b)
@@ -93,33 +128,47 @@ class JsonSyntax:
                 self.mode = "after"
         elif c in "{[":
             self.stack.append(ord("}") if c == "{" else ord("]"))
+            if c == "{":
+                self.objects.append([set(), 0])
             self.mode = "object_start" if c == "{" else "array_start"
         elif c in "}]":
-            if self.stack:
-                self.stack.pop()
+            if self.stack and self.stack.pop() == ord("}") and self.objects:
+                self.objects.pop()
             self.mode = "after"
         elif c == '"':
-            self.mode = "key_string" if self.mode in ("key", "object_start") else "string"
+            self.in_key, self.key = self.mode in ("key", "object_start"), b""
+            self.mode = "string"
         elif c == ":":
             self.mode = "value"
         elif c == ",":
-            self.mode = "key" if self.stack and self.stack[-1] == ord("}") else "value"
+            self.mode = "key" if self.in_object() else "value"
         elif self.mode != "number":
             self.mode = "number" if c in "-0123456789" else "literal"
 
+    def in_object(self) -> bool:
+        return bool(self.stack) and self.stack[-1] == ord("}")
+
+    def at_value_start(self) -> bool:
+        return self.mode in ("value", "array_start")
+
     def preferences(self) -> bytes:
-        """The bytes to try next, most closing first."""
+        """The bytes to try next, most closing first (keys: see `ClosingSearch._key_byte`)."""
         if self.mode in ("after", "number", "literal"):
-            return (bytes([self.stack[-1]]) if self.stack else b"") + b","
+            close = bytes([self.stack[-1]]) if self.stack else b""
+            if self.in_object() and self.objects and self.objects[-1][1]:
+                return b"," + close  # a key was written twice: one more distinct key before `}`
+            return close + b","
         return _PREFERENCES[self.mode]
 
 
 class ClosingSearch:
-    """Short completions to an accepting state, for one vocabulary (see the module docstring)."""
+    """Short completions to an accepting state, for one vocabulary (see the module docstring), and
+    the per-token counts of `{ [ " , :` that bound what a token can add to a closing."""
 
-    def __init__(self, lltokenizer: llg.LLTokenizer, token_bytes: list[bytes]):
+    def __init__(self, lltokenizer: llg.LLTokenizer, token_bytes: list[bytes], vocab_size: int | None = None):
         self.lltokenizer = lltokenizer
         self.token_bytes = token_bytes
+        self.eos = lltokenizer.eos_token  # valid exactly where the grammar is complete
         single = np.full(256, -1, dtype=np.int64)  # byte -> a token that is exactly that byte
         for token in range(len(token_bytes) - 1, -1, -1):  # the lowest id wins
             data = token_bytes[token]
@@ -127,145 +176,417 @@ class ClosingSearch:
                 single[data[0]] = token
         self.has_byte = single >= 0
         self.byte_token = np.where(self.has_byte, single, 0)
+        self._byte_word, self._byte_bit = self.byte_token >> 5, (self.byte_token & 31).astype(np.uint32)
         # Printable bytes before the rest when nothing ranked fits: whitespace and control bytes last.
-        self.fallback_order = np.array(list(range(33, 127)) + list(range(128, 256)) + list(range(0, 33)) + [127])
+        self.fallback_order = np.array(list(range(33, 127)) + list(range(128, 256)) + list(range(33)) + [127])
+        self.openers = _count_openers(token_bytes, max(vocab_size or 0, len(token_bytes)))
+        self.max_openers = int(self.openers.max(initial=0))
+        width = -(-len(self.openers) // 32) * 32
+        padded = np.full(width, self.max_openers + 1, dtype=np.int32)
+        padded[:len(self.openers)] = self.openers
+        # Packed masks (llguidance's layout: bit t % 32 of word t // 32) of the tokens with at most k openers.
+        self._at_most = [np.packbits(padded <= k, bitorder="little").view(np.uint32)
+                         for k in range(self.max_openers + 1)]
 
-    def closing(self, matcher: llg.LLMatcher, syntax: JsonSyntax, limit: int = MAX_CLOSING_TOKENS) -> list[int] | None:
-        """Tokens that take `matcher` (left unchanged) to an accepting state, at most `limit`, or None."""
-        m, s = matcher.deep_copy(), syntax.copy()
-        tokens: list[int] = []  # mostly one byte each until `_fewer_tokens`: the walk may take 4x the limit
-        used = np.zeros(256, dtype=np.int64)
-        while not m.is_accepting():
-            if len(tokens) >= 4 * limit or m.is_error():
-                return None
-            forced = m.compute_ff_tokens()
-            if not forced:
-                byte = self._next_byte(m, s, used)
-                if byte is None:
-                    return None
-                used[byte] += 1
-                forced = [int(self.byte_token[byte])]
-            if not m.consume_tokens(forced):
-                return None
-            s.feed(b"".join(self.token_bytes[t] for t in forced))
-            tokens += forced
+    # -- token facts ----------------------------------------------------------------------------
+    def bytes_of(self, tokens) -> bytes:
+        return b"".join(self.token_bytes[t] if 0 <= t < len(self.token_bytes) else b"" for t in tokens)
+
+    def growth(self, tokens, unit: int) -> int:
+        """The most `tokens` (sampled, in order) can add to a closing, in bytes."""
+        return sum(int(1 + self.openers[t]) * unit for t in tokens)
+
+    def widest_growth(self, unit: int) -> int:
+        return (1 + self.max_openers) * unit
+
+    def closes(self, matcher: llg.LLMatcher, tokens: list[int]) -> bool:
+        """Whether `tokens` take `matcher` (unchanged: a validation, no copy) to a complete document."""
+        return matcher.validate_tokens(list(tokens) + [self.eos]) == len(tokens) + 1
+
+    def with_openers_at_most(self, k: int) -> np.ndarray:
+        """A fresh packed mask of the tokens with at most `k` openers (none for k < 0)."""
+        if k < 0:
+            return np.zeros_like(self._at_most[0])
+        return self._at_most[min(k, self.max_openers)].copy()
+
+    # -- the search -----------------------------------------------------------------------------
+    def closing(self, matcher: llg.LLMatcher, syntax: JsonSyntax, limit: int = MAX_CLOSING_BYTES,
+                memo: dict | None = None) -> list[int] | None:
+        """Tokens that take `matcher` (left unchanged) to an accepting state, at most `limit`, or None.
+        `memo` keeps lexeme paths between searches of one request (`_lexeme_path`)."""
+        cap = min(4 * max(limit, 0), MAX_CLOSING_BYTES)  # mostly one byte a token until `_fewer_tokens`
+        tokens = self._walk(matcher.deep_copy(), syntax.copy(), cap, memo=memo)
+        if tokens is None:
+            return None
         tokens = self._fewer_tokens(matcher, tokens)
         return tokens if len(tokens) <= limit else None
 
-    def _next_byte(self, m: llg.LLMatcher, s: JsonSyntax, used: np.ndarray) -> int | None:
+    def _walk(self, m: llg.LLMatcher, s: JsonSyntax, cap: int, depth: int | None = None,
+              memo: dict | None = None) -> list[int] | None:
+        """Tokens that take `m` (advanced with `s`) to an accepting state — or, with `depth`, to where
+        the value being written at that container depth is complete — at most `cap`, or None."""
+        tokens: list[int] = []
+        used = np.zeros(256, dtype=np.int64)
+        while not m.is_accepting():
+            if len(tokens) > cap or m.is_error():
+                return None
+            forced = m.compute_ff_tokens()
+            if forced:
+                path = forced
+            else:
+                allowed = self._allowed(m)
+                if depth is not None and self._value_done(s, allowed, depth):
+                    return tokens
+                byte = self._value_start(m, s, allowed, cap - len(tokens), memo) if s.at_value_start() else None
+                if byte is None:
+                    byte = self._preferred(s, allowed)
+                path = [int(self.byte_token[byte])] if byte is not None else \
+                    self._lexeme_path(m, s, allowed, cap - len(tokens), memo)
+                if path is None:  # nothing found: the least used allowed byte, so as not to go round in circles
+                    order = self.fallback_order[allowed[self.fallback_order]]
+                    if not len(order):
+                        return None
+                    byte = int(order[np.argmin(used[order])])
+                    used[byte] += 1
+                    path = [int(self.byte_token[byte])]
+            if not m.consume_tokens(path):
+                return None
+            s.feed(self.bytes_of(path))
+            tokens += path
+        return tokens
+
+    def _allowed(self, m: llg.LLMatcher) -> np.ndarray:
+        """Which bytes `m` allows next as single-byte tokens: bool[256]."""
         words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32)
-        ids = self.byte_token
-        allowed = self.has_byte & ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
+        return self.has_byte & ((words[self._byte_word] >> self._byte_bit) & 1).astype(bool)
+
+    def _preferred(self, s: JsonSyntax, allowed: np.ndarray) -> int | None:
+        if s.mode == "string" and s.in_key:
+            return self._key_byte(s, allowed)
         for byte in s.preferences():
             if allowed[byte]:
                 return byte
-        order = self.fallback_order[allowed[self.fallback_order]]
-        if not len(order):
+        return None
+
+    @staticmethod
+    def _key_byte(s: JsonSyntax, allowed: np.ndarray) -> int | None:
+        """In a key that may end: `"` if the key is new in its object, else a byte that makes it new.
+        (Where it may not end yet — property names, a pattern — the lexeme search finds the end.)"""
+        if not allowed[ord('"')]:
             return None
-        return int(order[np.argmin(used[order])])  # the least used (first of equals): no loop on one byte
+        keys = s.objects[-1][0] if s.objects else set()
+        if s.key not in keys:
+            return ord('"')
+        fills = [b for b in _KEY_FILL if allowed[b]]
+        return next((b for b in fills if s.key + bytes([b]) not in keys), fills[0] if fills else None)
+
+    @staticmethod
+    def _value_done(s: JsonSyntax, allowed: np.ndarray, depth: int) -> bool:
+        """Whether the value started at container depth `depth` is complete."""
+        if len(s.stack) != depth:
+            return False
+        if s.mode == "after":
+            return True
+        return s.mode in ("number", "literal") and bool(allowed[_FOLLOW].any())
+
+    def _value_start(self, m: llg.LLMatcher, s: JsonSyntax, allowed: np.ndarray, cap: int,
+                     memo: dict | None = None) -> int | None:
+        """Where a value starts: the byte that starts its shortest completion. A value that closes
+        right after its start (`0`, `""`, `[]`, `{}`, a literal) costs its length; one that needs more
+        (required keys, `minItems`, a `format`) is walked, bounded by the best so far."""
+        if s.mode == "array_start" and allowed[ord("]")]:
+            return ord("]")
+        digits = [b for b in b"123456789" if allowed[b]][:1]
+        options = [b for b in b'0"[{nft-' if allowed[b]] + ([] if allowed[ord("0")] else digits)
+        if len(options) <= 1:
+            return options[0] if options else None
+        best, best_cost, needs_more = None, float("inf"), []
+        for b in options:
+            cost = self._closes_at_once(m, b)
+            if cost is None:
+                needs_more.append(b)
+            elif cost < best_cost:
+                best, best_cost = b, cost
+        if best_cost <= 2:  # nothing that needs more is shorter than 2 bytes
+            return best
+        for b in needs_more:
+            probe, syntax = m.deep_copy(), s.copy()
+            if not probe.consume_token(int(self.byte_token[b])):
+                continue
+            syntax.feed(bytes([b]))
+            bound = cap if best is None else min(cap, int(best_cost) - 2)
+            rest = self._walk(probe, syntax, bound, depth=len(s.stack), memo=memo) if bound >= 0 else None
+            if rest is not None and 1 + len(rest) < best_cost:
+                best, best_cost = b, 1 + len(rest)
+        return best if best is not None else needs_more[0]
+
+    def _closes_at_once(self, m: llg.LLMatcher, byte: int) -> int | None:
+        """The bytes of the value `byte` starts if it can end right away, else None."""
+        if byte in b"nt":
+            return 4
+        if byte == ord("f"):
+            return 5
+        if byte == ord("-"):
+            return None
+        probe = m.deep_copy()
+        if not probe.consume_token(int(self.byte_token[byte])):
+            return None
+        end = {ord('"'): b'"', ord("["): b"]", ord("{"): b"}"}.get(byte)
+        allowed = self._allowed(probe)
+        if end is not None:
+            return 2 if allowed[end[0]] else None
+        return 1 if probe.is_accepting() or allowed[_FOLLOW].any() else None
+
+    def _lexeme_path(self, m: llg.LLMatcher, s: JsonSyntax, allowed: np.ndarray, cap: int,
+                     memo: dict | None = None) -> list[int] | None:
+        """The fewest tokens after which a ranked byte is allowed (or the document is complete), where
+        none is now: breadth-first, one byte of each kind per step (`_representatives`) and the tokens
+        the grammar forces after it; of the states at a depth with the same next bytes and syntax one
+        is kept (a format's position is not visible in them, so a state seen at another depth is not
+        the same). A depth's states take turns, those whose next bytes changed first (`@` in an
+        email): all ends at a depth are as short, and one is usually found past them. A path found
+        from a state with the same signature before (`memo`) is tried first: taken up to its first
+        end if the matcher follows it there."""
+        key = self._signature(s, allowed, m)
+        if memo is not None and key in memo:
+            path = self._follow(m, s, memo[key], cap)
+            if path is not None:
+                return path
+        path = self._breadth_first(m, s, allowed, cap)
+        if memo is not None and path is not None:
+            if len(memo) >= 256:
+                memo.clear()
+            memo[key] = path
+        return path
+
+    def _follow(self, m: llg.LLMatcher, s: JsonSyntax, path: list[int], cap: int) -> list[int] | None:
+        """`path` up to the first state where a ranked byte is allowed, if the matcher takes it."""
+        m, s = m.deep_copy(), s.copy()
+        for i, token in enumerate(path[:cap]):
+            if not m.consume_token(token):
+                return None
+            s.feed(self.bytes_of([token]))
+            if self._is_end(m, s, self._allowed(m)):
+                return path[:i + 1]
+        return None
+
+    def _is_end(self, m: llg.LLMatcher, s: JsonSyntax, allowed: np.ndarray) -> bool:
+        """Where a lexeme path ends: the document is complete, or a ranked byte is allowed."""
+        return m.is_accepting() or self._preferred(s, allowed) is not None or (s.at_value_start() and allowed.any())
+
+    def _breadth_first(self, m: llg.LLMatcher, s: JsonSyntax, allowed: np.ndarray, cap: int) -> list[int] | None:
+        frontier = [(m, s, allowed, [])]
+        visits = 0
+        while frontier and len(frontier[0][3]) < cap:
+            following, seen = [], set()
+            choices = [self._representatives(node[2]) for node in frontier]
+            for i in range(max(map(len, choices))):
+                for (pm, ps, pallowed, path), bytes_ in zip(frontier, choices):
+                    if i >= len(bytes_):
+                        continue
+                    cm, step = pm.deep_copy(), [int(self.byte_token[bytes_[i]])]
+                    if not cm.consume_tokens(step):
+                        continue
+                    forced = cm.compute_ff_tokens()
+                    if forced and not cm.consume_tokens(forced):
+                        continue
+                    step += forced
+                    cs = ps.copy()
+                    cs.feed(self.bytes_of(step))
+                    visits += 1
+                    callowed = self._allowed(cm)
+                    if self._is_end(cm, cs, callowed):
+                        return path + step
+                    signature = self._signature(cs, callowed, cm)
+                    if signature not in seen:
+                        seen.add(signature)
+                        moved = not np.array_equal(callowed, pallowed) or cs.mode != ps.mode
+                        following.append((not moved, len(following), (cm, cs, callowed, path + step)))
+                    if visits >= LEXEME_NODES:
+                        return None
+            frontier = [node for _, _, node in sorted(following, key=lambda f: f[:2])]
+        return None
+
+    @staticmethod
+    def _signature(s: JsonSyntax, allowed: np.ndarray, m: llg.LLMatcher) -> tuple:
+        return (np.packbits(allowed).tobytes(), s.mode, s.in_key, s.key if s.in_key else b"", len(s.stack),
+                m.is_accepting())
+
+    @staticmethod
+    def _representatives(allowed: np.ndarray) -> list[int]:
+        """One allowed byte of each kind (a digit, a lower-case and an upper-case letter — all of a
+        kind when at most two are allowed — each punctuation byte, one non-ASCII byte)."""
+        out: list[int] = []
+        for kind in (_DIGITS, _LOWER, _UPPER):
+            present = kind[allowed[kind]]
+            out += present.tolist() if len(present) <= 2 else [int(present[0])]
+        out += _PUNCTUATION[allowed[_PUNCTUATION]].tolist()
+        high = np.flatnonzero(allowed[128:])
+        if len(high):
+            out.append(128 + int(high[0]))
+        return out
 
     def _fewer_tokens(self, matcher: llg.LLMatcher, tokens: list[int]) -> list[int]:
         """The same bytes in the tokenizer's own (usually fewer) tokens, if the matcher takes them."""
         if len(tokens) < 2:
             return tokens
-        retokenized = self.lltokenizer.tokenize_bytes(b"".join(self.token_bytes[t] for t in tokens))
-        if len(retokenized) >= len(tokens):
-            return tokens
-        probe = matcher.deep_copy()
-        if probe.consume_tokens(retokenized) and probe.is_accepting():
+        retokenized = self.lltokenizer.tokenize_bytes(self.bytes_of(tokens))
+        if len(retokenized) < len(tokens) and self.closes(matcher, retokenized):
             return retokenized
         return tokens
 
 
+class ClosingFailed(Exception):
+    """The closing does not fit the budget left: the request fails (its message says so)."""
+
+
 class LengthCloser:
     """One request's close-on-length state, fed the tokens its matcher consumes (see the module
-    docstring). `reserve` is the length of the known closing (None: not computed, or none found)."""
+    docstring). `plan` is a closing from the current state (None: not known); `bound` an upper bound
+    on the bytes of the shortest one (None: not known); `unit` what one event adds at most."""
 
-    def __init__(self, search: ClosingSearch):
+    def __init__(self, search: ClosingSearch, unit: int, plan: list[int] | None = None):
         self.search = search
+        self.unit = max(1, unit)
         self.matched: list[int] = []  # the tokens the matcher has consumed
         self.syntax = JsonSyntax()
-        self.plan: list[int] | None = None  # a closing from the matcher's current state
-        self.reserve: int | None = None
+        self.plan = None if plan is None else list(plan)
+        self.stale: list[int] | None = None  # the last plan, which may still close (checked when needed)
+        self.bound = None if plan is None else len(search.bytes_of(plan))
+        self.verified: dict[int, list[int]] = {}  # token -> the closing after it, checked this step
+        self.memo: dict = {}  # the search's lexeme paths (`ClosingSearch._lexeme_path`)
         self.closed = False  # the closing was forced: nothing more to do
 
-    def consumed(self, tokens: list[int]) -> None:
+    def consumed(self, tokens: list[int], forced: bool = False) -> None:
+        """The matcher consumed `tokens` (`forced`: the grammar's own, which never lengthen a closing)."""
+        tokens = list(tokens)
         self.matched += tokens
-        self.syntax.feed(b"".join(self.search.token_bytes[t] for t in tokens))
-        plan, self.plan = self.plan, None
-        if plan is not None and plan[:len(tokens)] == list(tokens):  # the output followed the closing
+        self.syntax.feed(self.search.bytes_of(tokens))
+        plan, verified = self.plan, self.verified
+        self.plan, self.verified = None, {}
+        if plan is not None and plan[:len(tokens)] == tokens:  # the output followed the closing
             self.plan = plan[len(tokens):]
+        elif len(tokens) == 1 and tokens[0] in verified:  # a token checked in the mask
+            self.plan = verified[tokens[0]]
+        else:
+            self.stale = plan if plan is not None else self.stale
+            if self.bound is not None and not forced:
+                self.bound += self.search.growth(tokens, self.unit)
+        if self.plan is not None:
+            self.stale = None
+            self.bound = len(self.search.bytes_of(self.plan))
 
-    def copy(self) -> "LengthCloser":
+    def copy(self) -> LengthCloser:
         """An independent copy (a verify pass walks drafts with one)."""
         other = copy.copy(self)
         other.matched, other.syntax = list(self.matched), self.syntax.copy()
         return other
 
-    def dormant(self, budget: int) -> bool:
-        """Whether, with `budget` tokens left, nothing is due: the closing was forced, or the budget
-        is far beyond the known reserve."""
-        return self.closed or (self.reserve is not None and budget > 4 * self.reserve + 64)
-
     def rolled_back(self, n: int) -> None:
         del self.matched[len(self.matched) - n:]
         self.syntax = JsonSyntax()
-        self.syntax.feed(b"".join(self.search.token_bytes[t] for t in self.matched))
-        self.plan = None
+        self.syntax.feed(self.search.bytes_of(self.matched))
+        self.plan = self.stale = self.bound = None
+        self.verified = {}
+
+    def _room(self, budget: int) -> int:
+        """The bytes a closing may take with `budget` tokens left (it is also kept searchable)."""
+        return min(budget, MAX_CLOSING_BYTES) - MARGIN
+
+    def dormant(self, budget: int) -> bool:
+        """Whether, with `budget` tokens left, nothing is due: the closing was forced, or whatever the
+        next token is, the closing after it still fits."""
+        return self.closed or (self.bound is not None and
+                               self.bound + self.search.widest_growth(self.unit) <= self._room(budget - 1))
 
     def closing_due(self, matcher: llg.LLMatcher, budget: int) -> list[int] | None:
-        """The closing to force now (the remaining `budget` equals the reserve), or None. Keeps
-        `reserve` current in the last stretch of the budget."""
+        """The closing to force now (the remaining `budget` equals it), or None. Outside `dormant`
+        keeps `plan` exact; raises ClosingFailed if no closing fits."""
         if self.dormant(budget):
             return None
-        if self.plan is None:
-            self.plan = self.search.closing(matcher, self.syntax)
-        self.reserve = None if self.plan is None else len(self.plan)
-        if self.plan is None or budget > len(self.plan) or not self.plan:
+        plan = self.current_plan(matcher, budget)
+        if len(plan) > budget:
+            raise ClosingFailed(f"close_on_length: the closing needs {len(plan)} tokens and {budget} are left")
+        if not plan or len(plan) < budget:
             return None
-        if len(self.plan) > budget:  # a single token opened more than the budget could close
-            logger.warning("close_on_length: the closing needs %d tokens, %d are left: the output is cut",
-                           len(self.plan), budget)
         self.closed = True
+        return plan
+
+    def current_plan(self, matcher: llg.LLMatcher, budget: int) -> list[int]:
+        if self.plan is None and self.stale is not None and len(self.stale) <= budget and \
+                self.search.closes(matcher, self.stale):
+            self.plan = self.stale
+        if self.plan is None:
+            self.plan = self.search.closing(matcher, self.syntax, limit=min(budget, MAX_CLOSING_BYTES), memo=self.memo)
+        self.stale = None
+        if self.plan is None:
+            raise ClosingFailed(f"close_on_length: no closing of at most {budget} tokens was found")
+        self.bound = len(self.search.bytes_of(self.plan))
         return self.plan
 
     def thinking_end_due(self, matcher: llg.LLMatcher, budget: int, end_ids: list[int]) -> list[int]:
         """While a reasoning model thinks (the matcher has consumed nothing of the answer yet): the
         end tag's tokens to force now, once the budget left is the tag plus the answer's shortest
-        closing, so that the answer still closes; else []. Keeps `reserve` as tag + closing."""
+        closing, so that the answer still closes; else []."""
         if self.closed:
             return []
         if self.plan is None:
-            self.plan = self.search.closing(matcher, self.syntax)
+            self.plan = self.search.closing(matcher, self.syntax, memo=self.memo)
         if self.plan is None:
             return []
-        self.reserve = len(end_ids) + len(self.plan)
-        return list(end_ids) if budget <= self.reserve else []
+        return list(end_ids) if budget <= len(end_ids) + len(self.plan) else []
 
     def in_zone(self, budget: int) -> bool:
-        """Whether the next sampled token must be checked (see `safe_tokens`)."""
-        return not self.closed and self.reserve is not None and budget <= self.reserve + ZONE
+        """Whether the next sampled token must be checked (see `keep_words`)."""
+        return not self.dormant(budget) and self.plan is not None
 
-    def safe_tokens(self, matcher: llg.LLMatcher, candidates: list[int], budget: int, eos: set[int]) -> list[int]:
-        """The candidates after which a closing still fits the budget that remains (`budget` - 1)."""
-        safe = [self.plan[0]] if self.plan else []
-        for token in candidates:
-            if token in eos or token in safe:  # EOS is allowed only where the output is complete
-                safe.append(token)
+    def keep_words(self, matcher: llg.LLMatcher, candidates: list[tuple[int, float]], budget: int,
+                   eos) -> np.ndarray:
+        """The packed mask of the tokens after which a closing still fits the budget that remains
+        (`budget` - 1): those whose growth fits, EOS, the closing's first token, and the candidates
+        (token, probability; most likely first) a closing from the state after them was found for
+        (kept in `verified`), checked until those looked at hold `CANDIDATE_MASS`."""
+        after = budget - 1
+        k = (self._room(after) - self.bound) // self.unit - 1  # (1 + openers) * unit fits: unchecked
+        words = self.search.with_openers_at_most(k)
+        safe = [t for t in eos if t < 32 * len(words)]
+        if self.plan:
+            self.verified[self.plan[0]] = self.plan[1:]
+        mass = 0.0
+        for token, p in candidates:
+            if mass >= CANDIDATE_MASS:
+                break
+            mass += p
+            if token in eos or token in self.verified or self.search.openers[token] <= k:
                 continue
-            probe = matcher.deep_copy()
-            if not probe.consume_token(token):
-                continue
-            if self.plan and self._still_closes(probe):  # a string's content: the same closing fits
-                safe.append(token)
-                continue
-            syntax = self.syntax.copy()
-            syntax.feed(self.search.token_bytes[token])
-            if self.search.closing(probe, syntax, limit=budget - 1) is not None:
-                safe.append(token)
-        return safe
+            closing = self._closing_after(matcher, token, after)
+            if closing is not None:
+                self.verified[token] = closing
+        safe = np.asarray(safe + list(self.verified), dtype=np.int64)
+        np.bitwise_or.at(words, safe >> 5, np.left_shift(np.uint32(1), (safe & 31).astype(np.uint32)))
+        return words
 
-    def _still_closes(self, probe: llg.LLMatcher) -> bool:
-        """Whether the current closing also closes `probe` (consumed by the check)."""
-        return probe.validate_tokens(self.plan) == len(self.plan) and probe.consume_tokens(self.plan) \
-            and probe.is_accepting()
+    def _closing_after(self, matcher: llg.LLMatcher, token: int, after: int) -> list[int] | None:
+        # The closing, or one found for another token this step, may close this one too (a
+        # string's content; another digit of a date): validated without a copy.
+        known = [self.plan] if self.plan is not None else []
+        for closing in known + [list(c) for c in dict.fromkeys(map(tuple, self.verified.values()))][:4]:
+            if len(closing) <= after and self.search.closes(matcher, [token] + closing):
+                return list(closing)
+        probe = matcher.deep_copy()
+        if not probe.consume_token(token):
+            return None
+        syntax = self.syntax.copy()
+        syntax.feed(self.search.bytes_of([token]))
+        return self.search.closing(probe, syntax, limit=min(after, MAX_CLOSING_BYTES), memo=self.memo)
+
+
+def _count_openers(token_bytes: list[bytes], width: int) -> np.ndarray:
+    """How many of `{ [ " , :` each token's bytes hold (0 for ids without bytes)."""
+    lengths = np.zeros(width, dtype=np.int64)
+    lengths[:len(token_bytes)] = [len(b) for b in token_bytes]
+    flat = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+    hits = np.isin(flat, np.frombuffer(_OPENERS, dtype=np.uint8)).astype(np.int32)
+    ends = np.cumsum(lengths)
+    totals = np.concatenate([[0], np.cumsum(hits)])
+    return (totals[ends] - totals[ends - lengths]).astype(np.int32)

@@ -35,13 +35,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from fastdeploy_lp.processors.guided.closing_bound import step_bound
 from fastdeploy_lp.processors.guided.grammar_text import clean_error, is_gbnf
 from fastdeploy_lp.processors.guided.json_schema import (cap_numbers, check_depth, drop_custom_formats,
                                                          json_format_options, strict_schema)
@@ -67,9 +69,21 @@ class GuidedDecodingError(ValueError):
 @dataclass(frozen=True)
 class CompiledConstraint:
     template: llg.LLMatcher
+    grammar: str = ""  # the llguidance grammar text it was built from
+    derived: dict = field(default_factory=dict, compare=False, repr=False)  # what users work out once from it
 
     def new_matcher(self) -> llg.LLMatcher:
         return self.template.deep_copy()
+
+    @cached_property
+    def closing_step(self) -> int | None:
+        """For a JSON schema, the most bytes one event of the output can add to its shortest closing
+        (close_on_length, `closing_bound.py`); None for other grammars or a schema it cannot read."""
+        try:
+            schema = (json.loads(self.grammar).get("grammars") or [{}])[0].get("json_schema")
+        except (ValueError, AttributeError, TypeError):
+            return None
+        return None if schema is None else step_bound(schema)
 
 
 def grammar_source(gd) -> tuple[str, str]:
@@ -227,7 +241,7 @@ def build_constraint(lltokenizer: llg.LLTokenizer, grammar: str, field: str,
         return GuidedDecodingError(field, problem)
     for warning in matcher.get_grammar_warnings():
         logger.info("%s: %s", field, warning)
-    return CompiledConstraint(matcher)
+    return CompiledConstraint(matcher, grammar)
 
 
 def _first_steps(matcher: llg.LLMatcher, lltokenizer: llg.LLTokenizer, executor: llg.LLExecutor) -> str | None:

@@ -47,7 +47,7 @@ from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, Request
 from fastdeploy_lp.processors.batch_state import BatchTracker
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
-from fastdeploy_lp.processors.guided.closing import TOP_K, ClosingSearch, JsonSyntax, LengthCloser
+from fastdeploy_lp.processors.guided.closing import MAX_CLOSING_BYTES, TOP_K, ClosingSearch, JsonSyntax, LengthCloser
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
 from fastdeploy_lp.processors.guided.slot_matcher import DraftWalk, ReasoningGate, SlotMatcher
@@ -59,6 +59,7 @@ from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
 logger = logging.getLogger(__name__)
 
 COMPILED = "guided_decoding.compiled"  # key in SamplingParams.extra set at admission
+CLOSING = "guided_decoding.closing"  # ... and, for close_on_length, (the shortest closing, the schema's step bound)
 _PROMPT_TAIL = 64  # prompt tokens read to tell whether the output starts inside a reasoning block
 
 
@@ -113,18 +114,30 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
     def _check_room_to_close(self, params) -> None:
         """A budget smaller than the shortest document the constraint allows could never be closed
         (with a reasoning parser, plus both tags: the model may open its thinking at the first token,
-        and be thinking when the budget runs out)."""
-        closing = self._search().closing(params.extra[COMPILED].new_matcher(), JsonSyntax())
+        and be thinking when the budget runs out); nor could a schema whose shortest document is
+        longer than the closing search goes. Keeps that closing and the schema's step bound
+        (`closing_bound.py`) for the request's closer."""
+        compiled = params.extra[COMPILED]
+        if "shortest_closing" not in compiled.derived:  # the same for every request with this constraint
+            compiled.derived["shortest_closing"] = self._search().closing(compiled.new_matcher(), JsonSyntax())
+        closing = compiled.derived["shortest_closing"]
+        if closing is None:
+            raise ValueError(f"max_tokens: close_on_length cannot close this JSON constraint: its shortest document "
+                             f"is longer than {MAX_CLOSING_BYTES} bytes, or it has none")
         tags = len(self._start_ids) + len(self._end_ids) if self.reasoning is not None else 0
-        if closing is None or (params.max_tokens is not None and len(closing) + tags > params.max_tokens):
-            need = "more than 256" if closing is None else str(len(closing))
+        if params.max_tokens is not None and len(closing) + tags > params.max_tokens:
             also = f" plus the reasoning tags {self.reasoning.start} {self.reasoning.end} ({tags} tokens)" if tags else ""
             raise ValueError(f"max_tokens: close_on_length needs room for the shortest output this JSON constraint "
-                             f"allows ({need} tokens){also}; max_tokens is {params.max_tokens}")
+                             f"allows ({len(closing)} tokens){also}; max_tokens is {params.max_tokens}")
+        step = compiled.closing_step
+        if step is None:  # every token the model picks near the end is then checked by a search
+            logger.info("close_on_length: no step bound for this schema; each token is checked near the end")
+        params.extra[CLOSING] = (closing, MAX_CLOSING_BYTES if step is None else step)
 
     def _search(self) -> ClosingSearch:
         if self._closing_search is None:  # built at the first request that closes on length
-            self._closing_search = ClosingSearch(self.compiler.lltokenizer, self.tokenizer.token_bytes)
+            self._closing_search = ClosingSearch(self.compiler.lltokenizer, self.tokenizer.token_bytes,
+                                                 self.vocab_size)
         return self._closing_search
 
     def _closes_on_length(self, gd) -> bool:
@@ -230,8 +243,9 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         return failures
 
     def _keep_tokens_that_can_close(self, logits: paddle.Tensor) -> None:
-        """Rows in their closing zone (`closing.py`) keep only those of their `TOP_K` allowed tokens
-        after which the closing still fits the budget, and their closing's first token."""
+        """Rows in their closing zone (`closing.py`) keep only the tokens after which a closing still
+        fits the budget: those whose possible growth fits, and those of their `TOP_K` most likely
+        allowed tokens (their probability at the request's temperature) a closing was found for."""
         rows = [self._rows[j] for j, _ in self._zone]
         index = paddle.to_tensor(np.asarray(rows, dtype=np.int64), place=logits.place)
         values, ids = paddle.topk(paddle.index_select(logits, index), min(TOP_K, logits.shape[-1]))
@@ -239,9 +253,12 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         keep = np.zeros((len(rows), words_for(logits.shape[-1])), dtype=np.uint32)
         eos = set(self.eos_token_ids)
         for i, (_, state) in enumerate(self._zone):
-            candidates = [int(t) for t, v in zip(ids[i], values[i]) if np.isfinite(v)]
-            safe = np.asarray(state.closer.safe_tokens(state.matcher, candidates, state.budget, eos), dtype=np.int64)
-            np.bitwise_or.at(keep[i], safe >> 5, np.left_shift(np.uint32(1), (safe & 31).astype(np.uint32)))
+            finite = np.isfinite(values[i])
+            scaled = values[i][finite] / max(state.params.temperature or 0.0, 1e-3)  # the request's sampling
+            probs = np.exp(scaled - scaled.max()) if len(scaled) else scaled
+            candidates = list(zip(ids[i][finite].tolist(), (probs / max(probs.sum(), 1e-30)).tolist()))
+            words = state.closer.keep_words(state.matcher, candidates, state.budget, eos)
+            keep[i, :len(words)] = words[:keep.shape[1]]
         mask_logits(logits, keep.view(np.int32), rows)
 
     # -- speculative decoding -----------------------------------------------------------------------
@@ -358,7 +375,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
         """A closer if the request closes on length (decided in `validate_request`)."""
         if CLOSED_ON_LENGTH not in params.extra or params.max_tokens is None:
             return None
-        return LengthCloser(self._search())
+        closing, step = params.extra.get(CLOSING) or (None, MAX_CLOSING_BYTES)
+        return LengthCloser(self._search(), step, closing)
 
     def _reasoning_gate(self, share_inputs: dict, slot: int) -> ReasoningGate | None:
         """With a reasoning parser: where this request's output starts, read from its prompt's end."""

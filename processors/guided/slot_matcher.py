@@ -9,7 +9,7 @@ from collections import deque
 
 import llguidance as llg
 
-from fastdeploy_lp.processors.guided.closing import LengthCloser
+from fastdeploy_lp.processors.guided.closing import ClosingFailed, LengthCloser
 from fastdeploy_lp.processors.guided.grammar_text import clean_error
 from fastdeploy_lp.reasoning import ReasoningState
 from fastdeploy_lp.sampling_params import CLOSED_ON_LENGTH
@@ -133,17 +133,18 @@ class SlotMatcher:
             return None
         if self.ahead or forced or self.matcher.is_stopped():  # tokens queued ahead of the output: wait
             return None
-        tokens = self.closer.closing_due(self.matcher, self.budget) if self.closer is not None else None
-        if tokens:  # the budget left is the closing's length: it is the rest of the output
-            if len(tokens) <= self.budget:
-                self.params.extra[CLOSED_ON_LENGTH].add(self.req_id)
-        else:
-            tokens = self.matcher.compute_ff_tokens()
+        try:
+            closing = self.closer.closing_due(self.matcher, self.budget) if self.closer is not None else None
+        except ClosingFailed as e:  # never a silently invalid output
+            return str(e)
+        if closing:  # the budget left is the closing's length: it is the rest of the output
+            self.params.extra[CLOSED_ON_LENGTH].add(self.req_id)
+        tokens = closing or self.matcher.compute_ff_tokens()
         if tokens:
             if not self.matcher.consume_tokens(tokens):
                 return f"guided decoding: the grammar engine failed on the forced tokens: {self.error()}"
             if self.closer is not None:
-                self.closer.consumed(tokens)
+                self.closer.consumed(tokens, forced=not closing)
             self.ahead.extend(tokens)
             forced.extend(tokens)
         return None
