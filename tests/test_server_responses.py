@@ -276,6 +276,7 @@ def test_unsupported_or_bad_fields_are_a_400_naming_the_field(server, body, para
 @pytest.mark.parametrize("body, param", [
     ({"instructions": "word " * 20_000}, "instructions"),
     ({"instructions": "Be brief.", "input": "word " * 20_000}, "input"),
+    ({"tools": [{"type": "function", "name": "f", "description": "word " * 20_000}]}, "tools"),
     ({"max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "v", "schema": VERDICT}},
       "structured_outputs": {"close_on_length": True}}, "max_output_tokens"),
 ])

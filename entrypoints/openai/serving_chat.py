@@ -19,6 +19,7 @@ generated; the pieces join to the final arguments.
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy_lp.engine.protocol import RequestStream
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, renamed
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, choice_error,
                                                              engine_error_event, final_outputs, sse, usage,
@@ -104,11 +106,19 @@ class OpenAIServingChat(OpenAIServing):
 
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
-        """The rendered prompt's token ids and text."""
-        with value_errors_as_400({"prompt": "messages"}):
-            return chat_prompt(self.tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
-                               chat_template_kwargs=req.chat_template_kwargs,
-                               limit=self.engine.fd_config.max_model_len)
+        """The rendered prompt's token ids and text. Too long, the 400 names `tools` when their
+        definitions alone fill the context, else `messages`."""
+        try:
+            with value_errors_as_400({"prompt": "messages"}):
+                return chat_prompt(self.tokenizer, req.messages, req.tools,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   chat_template_kwargs=req.chat_template_kwargs,
+                                   limit=self.engine.fd_config.max_model_len)
+        except OpenAIError as e:
+            if e.param == "messages" and req.tools and self.fills_context(
+                    json.dumps(req.tools_for_template(), ensure_ascii=False)):
+                raise renamed(e, "tools") from None
+            raise
 
     def fills_context(self, text: str) -> bool:
         """Whether `text` alone leaves no room in the context: which part of a prompt too long to run
