@@ -12,8 +12,9 @@ import argparse
 import json
 import sys
 
-from fastdeploy_lp.config import default_model_path
+from fastdeploy_lp.config import EngineArgs, default_model_path
 from fastdeploy_lp.entrypoints.openai.args import add_server_args, missing_model_hint
+from fastdeploy_lp.options import add_arguments, from_namespace, options
 
 CAPITAL_SCHEMA = {
     "type": "object",
@@ -32,10 +33,10 @@ def make_parser() -> argparse.ArgumentParser:
                                        "/v1/models, /v1/logits_processors, /health, /metrics.")
     add_server_args(serve)
     demo = sub.add_parser("demo", help="Answer a question offline on the built-in model and print it.",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--model", default=default_model_path(), help="Checkpoint directory.")
-    demo.add_argument("--device", default=None, help="Paddle device (default: gpu when available, else cpu).")
-    demo.add_argument("--max-tokens", type=int, default=48, help="Most tokens per answer.")
+                          description="Answer a question offline and print it; takes the engine's options "
+                                      "(the built-in model unless --model).")
+    demo.add_argument("--max-tokens", type=int, default=48, help="Most tokens per answer (default 48).")
+    add_arguments(demo, EngineArgs)
     return parser
 
 
@@ -43,10 +44,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from fastdeploy_lp.engine.llm import LLM
     from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
 
+    engine_args = from_namespace(EngineArgs, args)
+    model = engine_args.model or default_model_path()
     try:
-        llm = LLM(args.model, device=args.device, max_num_seqs=2)
+        llm = LLM(model, **{f.name: getattr(engine_args, f.name) for f in options(EngineArgs)
+                            if f.metadata["cli"] and f.name != "model"})
     except (ValueError, OSError) as e:
-        print(f"fastdeploy-lp demo: cannot load the model: {e}{missing_model_hint(args.model)}", file=sys.stderr)
+        print(f"fastdeploy-lp demo: cannot load the model: {e}{missing_model_hint(model)}", file=sys.stderr)
         return 2
     question = "What is the capital of France?"
     out = llm.chat([{"role": "user", "content": question}],
