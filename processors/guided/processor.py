@@ -47,9 +47,11 @@ from fastdeploy_lp.processors.base import AddedRequest, LogitsProcessor, Request
 from fastdeploy_lp.processors.batch_state import BatchTracker
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.guided.bitmask import mask_logits, words_for
-from fastdeploy_lp.processors.guided.closing import MAX_CLOSING_BYTES, TOP_K, ClosingSearch, JsonSyntax, LengthCloser
+from fastdeploy_lp.processors.guided.closing import TOP_K, LengthCloser
+from fastdeploy_lp.processors.guided.closing_search import MAX_CLOSING_BYTES, ClosingSearch
 from fastdeploy_lp.processors.guided.compiler import GrammarCompiler
 from fastdeploy_lp.processors.guided.constraint import CompiledConstraint, allows_other_than, dead_end
+from fastdeploy_lp.processors.guided.json_syntax import JsonSyntax
 from fastdeploy_lp.processors.guided.slot_matcher import DraftWalk, ReasoningGate, SlotMatcher
 from fastdeploy_lp.processors.guided.tokenizer import build_lltokenizer, lltokenizer_spec
 from fastdeploy_lp.processors.tensor_ops import fill_at
