@@ -236,15 +236,13 @@ def test_a_date_closed_from_inside_is_one_validators_accept(llm, prefix):
 
 # At seed 991198 the closing ends the document at output position 22; at position 23 the mask allows
 # only EOS (ids 2 and 5), yet " I" was drawn and the request failed ("generated token does not fit the
-# constraint"). Not the mask: the sampler's seeded uniform for token 481 there is 1.0 (float32
+# constraint"). Not the mask: the sampler's seeded uniform for token 481 there was 1.0 (float32
 # rounds (2**24 - 1 + 0.5) * 2**-24 up), its Gumbel noise +inf, and Paddle's CPU softmax gives the
-# -inf logits 1.6e-28 rather than 0, so the masked token wins the draw.
+# -inf logits 1.6e-28 rather than 0, so the masked token won the draw (seeded_uniforms is now < 1).
 ONE_STRING = {"type": "object", "required": ["s"],
               "properties": {"s": {"type": "string", "minLength": 10, "maxLength": 12}}}
 
 
-@pytest.mark.xfail(strict=True, reason="fastdeploy_lp/engine/sampler.py seeded_uniforms can return 1.0 "
-                                       "(Gumbel noise +inf): a masked token is drawn; remove once fixed there")
 def test_after_a_closed_document_nothing_but_eos_is_drawn(llm):
     messages = [{"role": "user", "content": "Produce a detailed JSON example with long strings."}]
     params = [SamplingParams(temperature=1.0, seed=991198, max_tokens=max_tokens, guided_decoding=GuidedDecodingParams(

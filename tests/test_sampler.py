@@ -9,7 +9,7 @@ from conftest import fixture_dir, load_reference
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.engine.request import Request
-from fastdeploy_lp.engine.sampler import Sampler
+from fastdeploy_lp.engine.sampler import Sampler, seeded_uniforms
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model import cpu_kernels
@@ -247,3 +247,10 @@ def test_a_1e_5_change_of_the_logits_rarely_changes_the_draw():
         first = SamplingStages(sampler).sample(paddle.to_tensor(logits), requests).tokens
         changed += int((SamplingStages(sampler).sample(paddle.to_tensor(noisy), requests).tokens != first).sum())
     assert changed <= 2, f"{changed} of {n * batches} draws changed"
+
+
+def test_seeded_uniforms_stay_inside_zero_and_one():
+    """At seed 991198, position 23, the 488th number is SplitMix64's largest 24-bit value: float32
+    rounded it to 1.0, whose Gumbel noise (+inf) drew a token the grammar had masked."""
+    u = seeded_uniforms(np.array([991198]), np.array([23]), 8192)
+    assert 0.0 < u.min() and u.max() < 1.0 and u[0, 487] == np.float32(1.0 - 2.0 ** -24)

@@ -73,7 +73,10 @@ def seeded_uniforms(seeds: np.ndarray, positions: np.ndarray, count: int) -> np.
         key = _splitmix(seeds.astype(np.uint64) + (positions.astype(np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA)
         steps = (np.arange(count, dtype=np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA
         x = _splitmix(key[:, None] + steps[None, :])
-    return ((x >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    # k + 0.5 is not exact in float32 for k >= 2**23: the largest k rounded up to 1.0, whose Gumbel
+    # noise is +inf and drew tokens the processors had masked. Capped below 1; no other value changes.
+    u = ((x >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    return np.minimum(u, np.float32(1.0 - 2.0 ** -24))
 
 
 def _gumbel(uniforms: paddle.Tensor) -> paddle.Tensor:
