@@ -385,7 +385,7 @@ def main() -> None:
         sys.exit(f"no model at {args.model}; run `python bench/make_bench_model.py` first")
 
     from fastdeploy_lp import FDConfig
-    from fastdeploy_lp.engine.runner import use_device
+    from fastdeploy_lp.model.runner import use_device
     from fastdeploy_lp.processors import EngineContext
     from fastdeploy_lp.processors.guided import GuidedDecodingLogitsProcessor
 

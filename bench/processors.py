@@ -155,7 +155,7 @@ def time_pipeline(pipeline, share, rng, logits, steps, warmup=2) -> list[float]:
 
 
 def time_forward(fd_config, batch, context, steps) -> list[float] | None:
-    from fastdeploy_lp.engine.runner import ModelRunner, SequenceFeed
+    from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
 
     runner = ModelRunner(fd_config)
     per_seq = context // runner.block_size + 1  # blocks holding positions 0..context

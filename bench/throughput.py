@@ -125,7 +125,7 @@ PREFILL_SEQS = 8  # sequences of the prefill-efficiency pass
 def prefill_efficiency(llm: LLM, seqs: int, prompt_len: int) -> dict:
     """Achieved prefill GFLOP/s (linear layers and LM head) against Paddle's own GEMM rate on the
     same shapes, measured warm in the same process."""
-    from fastdeploy_lp.engine.runner import SequenceFeed
+    from fastdeploy_lp.model.runner import SequenceFeed
 
     cfg = llm.engine.fd_config.model_config
     h, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim

@@ -67,6 +67,16 @@ def test_every_fastdeploy_lp_name_in_the_docs_exists():
     assert missing == [], missing
 
 
+def test_every_fastdeploy_lp_name_the_bench_scripts_import_exists():
+    """The benchmarks are not run by the tests; a module they import that moved must still fail here."""
+    missing = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "bench", "*.py"))):
+        for name in sorted(set(re.findall(r"(?:from|import) (fastdeploy_lp(?:\.\w+)*)", _read(path)))):
+            if not _resolves(name):
+                missing.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert missing == [], missing
+
+
 def test_every_source_path_in_the_docs_exists():
     missing = []
     for page in PAGES:
