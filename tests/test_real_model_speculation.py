@@ -1,8 +1,9 @@
 """Grammar-forced drafts on a real tokenizer (issue 35, item 7c): SmolLM2-135M-Instruct (GGUF),
 prompt-lookup drafts, greedy. Where drafts reach a span the JSON schema forces (repeated keys), the
 verify pass appends it and `forced_tokens` counts it; with fixed keys the spans are fast-forwarded
-before drafting and count nowhere (docs/speculative_decoding.md). Either way the output is plain
-decoding's."""
+before drafting and count nowhere (docs/speculative_decoding.md), and the bytes the grammar forces
+but cannot cut into tokens (the ` "` before a string value) are drafted as a guess. Either way the
+output is plain decoding's."""
 
 from __future__ import annotations
 
@@ -48,5 +49,6 @@ def test_fixed_keys_are_fast_forwarded_before_drafting_and_decode_as_plain(llms)
     plain, spec = llms
     want, plain_steps, _ = run(plain, PERSON, "Give me a person as JSON with name and age.")
     got, steps, stats = run(spec, PERSON, "Give me a person as JSON with name and age.")
-    assert got == want and steps <= plain_steps
+    assert got == want and steps < plain_steps  # 7 against 8: the forced ` "` drafted and accepted
     assert stats["forced_tokens"] == 0  # no draft reaches a key: each was appended where the request stood
+    assert stats["accepted_tokens"] >= 1

@@ -330,6 +330,8 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
                     guessed = guessed + len(step) if drafts[guessed:guessed + len(step)] == step else len(drafts)
                 elif guessed < len(drafts) and matcher.validate_tokens(drafts[guessed:guessed + 1]):
                     step, guessed = drafts[guessed:guessed + 1], guessed + 1
+                elif step := self._forced_bytes_guess(matcher):  # the lookup's guesses no longer line up
+                    guessed = len(drafts)
                 else:
                     break
                 if not matcher.consume_tokens(step):
@@ -342,6 +344,16 @@ class GuidedDecodingLogitsProcessor(LogitsProcessor):
             if refined and not matcher.rollback(len(refined)):
                 state.failure = f"guided decoding: the grammar engine could not roll back drafts: {state.error()}"
         return refined[:limit]
+
+    def _forced_bytes_guess(self, matcher) -> list[int]:
+        """Tokens for the bytes the grammar forces but `compute_ff_tokens` leaves out (longer tokens
+        start with them: the ` "` before a string value, the space before a number): a guess, not
+        forced, since the model may write the same bytes in other tokens; verifying it costs a row."""
+        forced = matcher.compute_ff_bytes()
+        if not forced:
+            return []
+        tokens = self.compiler.lltokenizer.tokenize_bytes(forced)
+        return tokens[:matcher.validate_tokens(tokens)]
 
     def end_drafts(self, share_inputs: ShareInputs) -> None:
         """Put every matcher and reasoning gate back where the step left them; the accepted tokens
