@@ -285,3 +285,20 @@ def test_tool_calls_come_back_as_openai_tool_calls(server, client, tool_choice):
     assert "".join(d.function.arguments for d in deltas if d.index == 0 and not d.id) == call.function.arguments
     assert len(headers) >= len(choice.message.tool_calls)  # a call cut by max_tokens was streamed, not returned
     assert streamed[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_the_worker_protocol_request_routers_read(server, client):
+    """sglang-router and vllm-router ask a replica what it serves and how loaded it is, and send
+    `model: "unknown"` for a request that names none: served, not a 404 (tried with sglang-router
+    0.3.2 in front of two replicas: it learns the name from these and forwards)."""
+    for path in ("/get_model_info", "/model_info"):
+        info = httpx.get(server.url(path), timeout=10).json()
+        assert info["served_model_name"] == "tiny-qwen2" and info["is_generation"] is True
+        assert info["model_path"] == QWEN2 and info["architectures"] == ["Qwen2ForCausalLM"]
+    for path in ("/get_server_info", "/server_info"):
+        info = httpx.get(server.url(path), timeout=10).json()
+        assert info["max_running_requests"] == 32 and info["context_length"] > 0 and info["max_total_num_tokens"] > 0
+    load = httpx.get(server.url("/get_load"), timeout=10).json()
+    assert set(load) == {"num_reqs", "num_running_reqs", "num_waiting_reqs"} and load["num_reqs"] >= 0
+    answer = client.chat.completions.create(model="unknown", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert answer.model == "tiny-qwen2"

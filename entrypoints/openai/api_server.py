@@ -90,7 +90,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                                         stall_timeout_s=settings.engine_stall_timeout_s)
     state.metrics = ServerMetrics(state.async_engine)
     state.async_engine.observer = state.metrics.observe
-    aliases = settings.model_aliases | {"default", settings.model_path}
+    # "unknown": what sglang-router writes into a request that names no model (one model is served)
+    aliases = settings.model_aliases | {"default", "unknown", settings.model_path}
     state.chat = OpenAIServingChat(state.async_engine, settings.served_model_names, aliases)
     state.completion = OpenAIServingCompletion(state.async_engine, settings.served_model_names, aliases)
     store = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)

@@ -7,6 +7,7 @@
     tokenize.py     POST /tokenize, POST /detokenize → serving_tokenize.py
     messages.py     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic) → serving_messages.py
     responses.py    POST /v1/responses, GET and DELETE /v1/responses/{id} → serving_responses.py
+    worker_info.py  GET /get_model_info, /get_server_info, /get_load (what request routers read)
 """
 
 from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router
@@ -15,7 +16,9 @@ from fastdeploy_lp.entrypoints.openai.routers.messages import router as messages
 from fastdeploy_lp.entrypoints.openai.routers.models import router as models_router
 from fastdeploy_lp.entrypoints.openai.routers.responses import router as responses_router
 from fastdeploy_lp.entrypoints.openai.routers.tokenize import router as tokenize_router
+from fastdeploy_lp.entrypoints.openai.routers.worker_info import router as worker_info_router
 
-ROUTERS = (health_router, models_router, generation_router, tokenize_router, responses_router, messages_router)
+ROUTERS = (health_router, models_router, generation_router, tokenize_router, responses_router, messages_router,
+           worker_info_router)
 
 __all__ = ["ROUTERS"]
