@@ -90,10 +90,15 @@ class ProcessorThread:
 
     def _run(self) -> None:
         while True:
-            future, fn, args = self._calls.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which isolates it
-                future.set_exception(e)
+            run_to_future(*self._calls.get())
+
+
+def run_to_future(future: concurrent.futures.Future, fn: Callable, args: tuple) -> None:
+    """`fn(*args)` into `future`, unless it was cancelled: its result, or what it raised (handed to
+    the waiter, which isolates it). The loop of every daemon worker that serves futures."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001
+        future.set_exception(e)

@@ -37,6 +37,7 @@ from fastdeploy_lp.processors.guided.constraint import (FIELDS, MAX_CONSTRAINT_C
                                                         grammar_source, request_key)
 from fastdeploy_lp.processors.guided.grammar_text import clean_error, is_gbnf
 from fastdeploy_lp.processors.guided.sandbox import CompileSandbox, SandboxCrashed, SandboxTimeout
+from fastdeploy_lp.processors.processor_thread import run_to_future
 
 __all__ = ["BUILD_STACK_BYTES", "FIELDS", "MAX_CONSTRAINT_CHARS", "CompiledConstraint", "GrammarCompiler",
            "GuidedDecodingError", "PlainConstraint", "allows_other_than", "build_constraint", "choice_grammar",
@@ -74,14 +75,9 @@ class _BigStackThreads:
 
     def _serve(self) -> None:
         while True:
-            future, fn, args = self._tasks.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # handed to the waiter
-                future.set_exception(e)
-            del future, fn, args  # do not keep the last matcher alive until the next task
+            task = self._tasks.get()
+            run_to_future(*task)
+            del task  # do not keep the last matcher alive until the next task
 
 
 _STACK_SIZE_LOCK = threading.Lock()
