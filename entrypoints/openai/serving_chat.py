@@ -115,19 +115,21 @@ class OpenAIServingChat(OpenAIServing):
                                    chat_template_kwargs=req.chat_template_kwargs,
                                    limit=self.engine.fd_config.max_model_len)
         except OpenAIError as e:
-            if e.param == "messages" and req.tools and self.fills_context(
-                    json.dumps(req.tools_for_template(), ensure_ascii=False)):
-                raise renamed(e, "tools") from None
-            raise
+            tools = json.dumps(req.tools_for_template(), ensure_ascii=False) if req.tools else None
+            raise self.blame(e, "tools", tools) from None
 
-    def fills_context(self, text: str) -> bool:
-        """Whether `text` alone leaves no room in the context: which part of a prompt too long to run
-        a 400 names (the Responses `instructions`, the Messages `system`)."""
+    def blame(self, error: OpenAIError, field: str, text: str | None) -> OpenAIError:
+        """A prompt too long to run (a 400 on `messages`) named as `field` when `text`, that part of
+        the request alone, leaves no room in the context (tools, the Responses `instructions`, the
+        Messages `system`); any other error as it is."""
+        if error.param != "messages" or not text:
+            return error
         limit = self.engine.fd_config.max_model_len
         try:
-            return len(self.tokenizer.encode(text, limit=limit)) >= limit
+            fills = len(self.tokenizer.encode(text, limit=limit)) >= limit
         except ValueError:
-            return True
+            fills = True
+        return renamed(error, field) if fills else error
 
     def _tool_constraint(self, req: ChatCompletionRequest):
         choice = req.tool_choice_value()

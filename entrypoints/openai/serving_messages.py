@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from fastdeploy_lp.engine.protocol import EngineNotServingError
 from fastdeploy_lp.engine.request import RequestOutput
-from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error, renamed
+from fastdeploy_lp.entrypoints.openai.errors import OpenAIError, bad_request, from_validation_error
 from fastdeploy_lp.entrypoints.openai.errors_anthropic import anthropic_error_body
 from fastdeploy_lp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy_lp.entrypoints.openai.protocol_anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
@@ -55,10 +55,7 @@ class AnthropicServingMessages:
         try:
             run = await self.chat.start(chat_req)
         except OpenAIError as e:
-            system = req.system_text()
-            if e.param == "messages" and system and self.chat.fills_context(system):
-                raise renamed(e, "system") from None
-            raise
+            raise self.chat.blame(e, "system", req.system_text()) from None
         message_id = f"msg_{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._events(message_id, run), [run.stream], headers=headers)

@@ -52,9 +52,8 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(chat_req)
         except OpenAIError as e:
-            if e.param == "messages" and req.instructions and self.chat.fills_context(req.instructions):
-                raise renamed(e, "instructions") from None
-            raise _renamed(e) from None
+            blamed = self.chat.blame(e, "instructions", req.instructions)
+            raise (blamed if blamed is not e else _renamed(e)) from None
         shape = _Shape(self, req, history, run)
         if req.stream:
             return SSEResponse(shape.events(), [run.stream], headers=headers)
