@@ -37,6 +37,8 @@ setup(
         "uvicorn",
         "prometheus-client",
         "tqdm",
+        "pyzmq",    # KV-cache events (--kv-events-config): vLLM's ZMQ publisher
+        "msgpack",  # ... and its msgpack wire format
     ],
     extras_require={"test": ["pytest", "openai", "openai-agents", "httpx", "jsonschema", "anthropic"]},
     entry_points={"console_scripts": ["fastdeploy-lp=fastdeploy_lp.entrypoints.cli:main"]},

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastdeploy_lp.block_formats import wint4_format
 from fastdeploy_lp.distributed.checks import check_tensor_parallel
+from fastdeploy_lp.kv_events_config import KVEventsConfig, parse_kv_events_config
 from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
 from fastdeploy_lp.options import (non_negative_float, non_negative_int, option, port_number, positive_float,
                                    positive_int)
@@ -109,6 +110,7 @@ class FDConfig:
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
     tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
     sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
+    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events published
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -243,6 +245,13 @@ class EngineArgs:
     max_num_batched_tokens: int | None = option(
         None, f"Tokens one step may compute. Default: {CHUNKED_PREFILL_TOKEN_BUDGET} with chunked prefill, else no "
               f"limit.", group=CACHE, parse=positive_int, metavar="N")
+    kv_events_config: str | dict | None = option(
+        None, "Publish KV-cache events (blocks stored in and removed from the prefix cache) for KV-aware routers "
+              "(vllm-router --policy kv_aware, Dynamo, llm-d), as vLLM's JSON object and wire format: "
+              "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+              "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\", \"buffer_steps\": 10000, "
+              "\"hwm\": 100000}. Needs prefix caching. Default: off. See docs/distributed.md.", group=CACHE,
+        parse=parse_kv_events_config, metavar="JSON")
     max_n: int = option(16, f"Most choices (n) per request (at most {MAX_N}); more get a 400 (offline: a "
                             "ValueError).", group=LIMITS, parse=positive_int, metavar="N")
     max_stop: int = option(64, "Most entries in stop and in stop_token_ids (each; both are checked after every "
@@ -295,6 +304,7 @@ class EngineArgs:
                         guided_json_number_digits=self.guided_json_number_digits,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+                        kv_events_config=KVEventsConfig.from_value(self.kv_events_config, self.enable_prefix_caching),
                         tokenizer_dir=self.tokenizer, sequence_limits=limits)
 
     def sequence_limits(self) -> SequenceLimits:

@@ -205,7 +205,7 @@ LAYERS = [
     {"_source_tree", "options", "envs", "block_formats"},
     {"gguf_file"},
     {"model_config", "tokenizer", "distributed", "reasoning"},  # distributed: the primitives the model uses
-    {"sampling_params", "speculative_config"},
+    {"sampling_params", "speculative_config", "kv_events_config"},
     {"sequence_limits"},
     {"config"},
     {"model", "processors"},

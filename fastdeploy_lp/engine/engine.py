@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.executor.tensor_parallel import TensorParallelRunner
 from fastdeploy_lp.engine.kv_cache import BlockPool
+from fastdeploy_lp.engine.kv_events import KVEventLog, KVEventPublisher
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
 from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
@@ -87,9 +89,15 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self.kv_events = None  # the KV-cache event publisher (--kv-events-config), engine/kv_events.py
+        if fd_config.kv_events_config is not None:  # before the weights load: a bad endpoint fails fast
+            self.kv_events = KVEventPublisher(fd_config.kv_events_config)
+            weakref.finalize(self, self.kv_events.shutdown)
         self.runner = build_runner(fd_config)
         cache = fd_config.cache_config
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        if self.kv_events is not None:
+            self.block_pool.events = KVEventLog(cache.block_size)
         self.pipeline = LogitsProcessorPipeline(self.context, fd_config.logits_processors,
                                                 leading=leading_processors(self.context))
         self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
@@ -213,6 +221,18 @@ class LLMEngine:
         except Exception as e:  # a bug below the request isolation: fail that batch, keep serving
             logger.exception("engine step failed; failing the requests it was running")
             return self.fail_running(e)
+        finally:
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """The KV-cache events recorded since the last call, as one batch (queued, never blocking)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_pool.events.take())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (on the engine's thread, between steps)."""
+        self.block_pool.reset_prefix_cache()
+        self._publish_kv_events()
 
     def _step(self) -> list[RequestOutput]:
         finished: list[Request] = []

@@ -63,6 +63,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
         self.fresh: list[int] = []  # handed out since the runner last zeroed them
         self.stats = PrefixCacheStats()
+        self.events = None  # a KVEventLog (engine/kv_events.py) while KV-cache events are published
 
     @property
     def capacity_tokens(self) -> int:
@@ -107,7 +108,10 @@ class BlockPool:
                 block = self._free.pop()
             else:  # evict the least recently used cached block nobody holds
                 block, _ = self._evictable.popitem(last=False)
-                del self._cached[self._hash_of.pop(block)]
+                block_hash = self._hash_of.pop(block)
+                del self._cached[block_hash]
+                if self.events is not None:
+                    self.events.removed(block_hash)
             self.refcounts[block] = 1
             out.append(block)
         self.fresh.extend(out)
@@ -132,19 +136,30 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Make a full block findable by its hash (a block already cached under it wins)."""
+    def register(self, block: int, block_hash: bytes) -> bool:
+        """Make a full block findable by its hash (a block already cached under it wins); True when
+        it became findable now."""
         if self.enable_prefix_caching and block_hash not in self._cached and block not in self._hash_of:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
+            return True
+        return False
 
     def take_fresh(self) -> list[int]:
         fresh, self.fresh = self.fresh, []
         return fresh
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds (they become plain free blocks)."""
+        """Forget every cached block nobody holds (they become plain free blocks). The KV events
+        say AllBlocksCleared when no cached block is left, else which blocks went."""
+        forgotten = []
         for block in list(self._evictable):
-            del self._cached[self._hash_of.pop(block)]
+            forgotten.append(self._hash_of.pop(block))
+            del self._cached[forgotten[-1]]
             self._free.append(block)
         self._evictable.clear()
+        if self.events is not None and self._cached:  # held blocks stay cached: name the ones that went
+            for block_hash in forgotten:
+                self.events.removed(block_hash)
+        elif self.events is not None:
+            self.events.cleared()

@@ -230,7 +230,9 @@ class SlotScheduler:
             parent = request.block_hashes[-1] if have else b""
             request.block_hashes += block_hashes(request.tokens(have * size, full * size), size, parent)
         for i in range(request.registered, full):
-            self.pool.register(request.blocks[i], request.block_hashes[i])
+            if self.pool.register(request.blocks[i], request.block_hashes[i]) and self.pool.events is not None:
+                self.pool.events.stored(request.block_hashes[i], request.block_hashes[i - 1] if i else None,
+                                        request.tokens(i * size, (i + 1) * size))
         request.registered = max(request.registered, full)
 
     # -- share_inputs -------------------------------------------------------------------------------
