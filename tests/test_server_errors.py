@@ -123,7 +123,35 @@ BAD_REQUESTS = [
      ["tools"]),
     ("unknown-field-strict", "/v1/chat/completions", chat(frobnicate=True), 400, "frobnicate", ["--strict-fields"]),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", ["not supported"]),
+    ("hidden-states", "/v1/completions", {"prompt": "x", "return_hidden_states": True}, 400,
+     "return_hidden_states", ["not supported"]),
+    ("stream-reasoning-off", "/v1/chat/completions", chat(stream=True, stream_reasoning=False), 400,
+     "stream_reasoning", ["only true"]),
+    ("continue-a-user-message", "/v1/chat/completions", chat(continue_final_message=True, add_generation_prompt=False),
+     400, "continue_final_message", ["assistant message last"]),
+    ("two-constraints-sglang", "/v1/chat/completions", chat(regex="a+", guided_regex="b+"), 400, "regex",
+     ["only one output constraint", "guided_regex"]),
 ]
+
+# What sglang-router 0.3.2 and vllm-router 0.1.17 sent a replica for a plain request (captured by a
+# replica that logs bodies): SGLang's fields, each at the value that changes nothing.
+ROUTED_BODIES = [
+    ("/v1/chat/completions", {"messages": CHAT, "model": "default", "logprobs": False, "max_completion_tokens": 3,
+                              "stream": False, "no_stop_trim": False, "ignore_eos": False,
+                              "continue_final_message": False, "skip_special_tokens": True,
+                              "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                              "include_reasoning": True}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 3, "stream": False, "echo": False,
+                         "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                         "return_hidden_states": False}),
+]
+
+
+@pytest.mark.parametrize("path,body", ROUTED_BODIES, ids=["chat", "completions"])
+def test_what_the_routers_add_passes_strict_fields(server, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    assert "x-fastdeploy-lp-ignored-fields" not in r.headers
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])

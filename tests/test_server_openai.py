@@ -299,6 +299,54 @@ def test_the_worker_protocol_request_routers_read(server, client):
         info = httpx.get(server.url(path), timeout=10).json()
         assert info["max_running_requests"] == 32 and info["context_length"] > 0 and info["max_total_num_tokens"] > 0
     load = httpx.get(server.url("/get_load"), timeout=10).json()
-    assert set(load) == {"num_reqs", "num_running_reqs", "num_waiting_reqs"} and load["num_reqs"] >= 0
+    assert set(load) == {"num_reqs", "num_running_reqs", "num_waiting_reqs", "engines"} and load["num_reqs"] >= 0
+    assert [e["engine"] for e in load["engines"]] == [0] and load["engines"][0]["num_requests_total"] >= 0
     answer = client.chat.completions.create(model="unknown", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert answer.model == "tiny-qwen2"
+
+
+def test_render_answers_the_prompt_ids_and_params_generation_would_use(server, client):
+    """vllm-router calls /render before it picks a replica; the ids are the ones generation counts."""
+    chat = httpx.post(server.url("/v1/chat/completions/render"), timeout=30,
+                      json={"messages": CHAT, "max_tokens": 5, "temperature": 0.5, "logits_processors_args": {"x": 1}})
+    assert chat.status_code == 200, chat.text
+    rendered = chat.json()
+    answer = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=1)
+    assert len(rendered["token_ids"]) == answer.usage.prompt_tokens and rendered["model"] == "tiny-qwen2"
+    assert rendered["sampling_params"]["temperature"] == 0.5 and rendered["sampling_params"]["max_tokens"] == 5
+    assert rendered["sampling_params"]["logits_processors_args"] == {"x": 1}
+    tokens = httpx.post(server.url("/tokenize"), json={"messages": CHAT}, timeout=30).json()["tokens"]
+    assert rendered["token_ids"] == tokens
+    batch = httpx.post(server.url("/v1/completions/render"), json={"prompt": [PROMPT, "Hi"]}, timeout=30).json()
+    assert [r["token_ids"] for r in batch] == [httpx.post(server.url("/tokenize"), json={"prompt": p},
+                                                          timeout=30).json()["tokens"] for p in (PROMPT, "Hi")]
+    ids = httpx.post(server.url("/v1/completions/render"), json={"prompt": [[5, 6, 7], [8]]}, timeout=30).json()
+    assert [r["token_ids"] for r in ids] == [[5, 6, 7], [8]]
+    for path, body in (("/v1/responses/render", {"input": CHAT}), ("/v1/messages/render",
+                                                                    {"messages": CHAT, "max_tokens": 5,
+                                                                     "model": "tiny-qwen2"})):
+        r = httpx.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["token_ids"] == tokens, (path, r.text)
+    bad = httpx.post(server.url("/v1/chat/completions/render"), json={"messages": CHAT, "guided_regex": "(",
+                                                                        "model": "nope"}, timeout=30)
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(server):
+    partial = [*CHAT, {"role": "assistant", "content": "The capital is"}]
+    open_turn = httpx.post(server.url("/v1/chat/completions/render"), timeout=30, json={
+        "messages": partial, "add_generation_prompt": False, "continue_final_message": True}).json()["token_ids"]
+    closed = httpx.post(server.url("/tokenize"), json={"messages": partial, "add_generation_prompt": False},
+                        timeout=30).json()["tokens"]
+    assert len(open_turn) < len(closed) and closed[:len(open_turn)] == open_turn  # the end-of-turn is cut
+    text = httpx.post(server.url("/detokenize"), json={"tokens": open_turn}, timeout=30).json()["prompt"]
+    assert text.endswith("The capital is")
+
+
+@pytest.mark.parametrize("field,value,pattern", [("regex", "[ab]{3,6}", r"[ab]{3,6}"),
+                                                 ("ebnf", 'root ::= "yes" | "no"', r"yes|no")])
+def test_sglang_constraint_fields_constrain(client, field, value, pattern):
+    """SGLang's `regex` and `ebnf` are what survive sglang-router's rebuilt body: never ignored."""
+    import re
+    out = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=8, extra_body={field: value})
+    assert re.fullmatch(pattern, out.choices[0].message.content), out.choices[0].message.content

@@ -157,3 +157,20 @@ def test_budget_tokens_disagreeing_with_thinking_budget_is_a_400(server):
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ASK}],
         "thinking": {"type": "enabled", "budget_tokens": 5}, "logits_processors_args": {"thinking_budget": 7}})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("thinking.budget_tokens"), r.text
+
+
+def test_include_and_separate_reasoning_switches(oai):
+    """vLLM's include_reasoning=false drops the reasoning; SGLang's separate_reasoning=false leaves it
+    in content, unsplit (both routers add these fields, at their defaults, to every chat request)."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=40, temperature=1.0, seed=3)
+    split = oai.chat.completions.create(**kw, extra_body=THINK).choices[0].message
+    assert split.reasoning_content
+    dropped = oai.chat.completions.create(**kw, extra_body={**THINK, "include_reasoning": False}).choices[0].message
+    assert getattr(dropped, "reasoning_content", None) is None and dropped.content == split.content
+    whole = oai.chat.completions.create(**kw, extra_body={**THINK, "separate_reasoning": False}).choices[0].message
+    assert getattr(whole, "reasoning_content", None) is None
+    assert split.reasoning_content in whole.content and whole.content.endswith(split.content)
+    chunks = oai.chat.completions.create(**kw, stream=True, extra_body={**THINK, "include_reasoning": False})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == split.content

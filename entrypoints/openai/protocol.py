@@ -144,15 +144,22 @@ class _SamplingRequest(BaseModel):
     structural_tag: dict[str, Any] | str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's current constraint form.")
+    regex: str | None = Field(None, description="SGLang's name for guided_regex (SGLang's router forwards it).")
+    ebnf: str | None = Field(None, description="SGLang's name for guided_grammar (SGLang's router forwards it).")
     # custom guided-decoding backends and constraints in NVIDIA NIM's form
     nvext: NvExt | None = None
     guided_decoding_backend: str | None = Field(
         None, description="A backend loaded with --custom-guided-decoding-backends, or 'llguidance'.")
+    # SGLang's fields, which SGLang's and vLLM's routers add to every request they forward
+    no_stop_trim: bool | None = Field(None, description="SGLang's name for include_stop_str_in_output.")
+    return_hidden_states: bool | None = Field(None, description="Only false: hidden states are not returned.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.return_hidden_states:
+            raise ValueError("return_hidden_states: not supported by this server (only false)")
         return self
 
     # -- mapping to the engine ------------------------------------------------------------------
@@ -196,7 +203,7 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             max_tokens=max_tokens, min_tokens=self.min_tokens or 0, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
-            include_stop_str_in_output=bool(self.include_stop_str_in_output), seed=self.seed, logprobs=logprobs,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output or self.no_stop_trim), seed=self.seed, logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             logit_bias=self.logit_bias or None,  # validated by SamplingParams (and its check_vocab at admission)
             bad_words=self.bad_words, logits_processors_args=self.logits_processors_args, guided_decoding=guided)
@@ -239,11 +246,22 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = Field(True, description="End the prompt with the assistant turn's header.")
     echo: bool | None = Field(False, description="Prepend the last message's content when it is the "
                                                  "assistant's (continuing a partial answer).")
+    continue_final_message: bool | None = Field(
+        False, description="End the prompt inside the last (assistant) message, so the answer continues it; "
+                           "needs add_generation_prompt false.")
+    # reasoning output (with --reasoning-parser): vLLM's and SGLang's switches, which the routers add
+    include_reasoning: bool | None = Field(True, description="False drops reasoning_content from the answer.")
+    separate_reasoning: bool | None = Field(True, description="False leaves the reasoning in content, unsplit.")
+    stream_reasoning: bool | None = Field(True, description="Only true: reasoning is streamed as it is generated.")
 
     @model_validator(mode="after")
     def _chat_checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs to be true")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message: needs add_generation_prompt false and an assistant message last")
+        if self.stream_reasoning is False and self.stream:
+            raise ValueError("stream_reasoning: only true is supported (reasoning is streamed as it is generated)")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -388,6 +406,7 @@ class ModelCard(BaseModel):
     weight_dtype: str | None = None  # how linear weights are held ("bfloat16" on CPU computes in float32)
     quantization: str | None = None  # "wint8", "wint4", "gguf: Q4_K x168, ..." (the file's types) or None
     weight_bytes: int | None = None  # resident weight bytes, every tensor-parallel rank's together
+    deterministic: bool = False  # --deterministic: batch-invariant outputs (docs/deterministic.md)
 
 
 class ModelList(BaseModel):

@@ -3,7 +3,8 @@ one `GuidedDecodingParams`.
 
 Every form is read: OpenAI's `response_format` (plus TensorRT-LLM's `json`, `regex`, `ebnf`,
 `structural_tag` types), the `guided_*` fields (vLLM < 0.10, TensorRT-LLM), NVIDIA NIM's
-`nvext.guided_*`, and vLLM's `structured_outputs`. The request models of `protocol.py` hold these
+`nvext.guided_*`, vLLM's `structured_outputs`, and SGLang's top-level `regex` and `ebnf` (the
+forms SGLang's router keeps when it rebuilds a body). The request models of `protocol.py` hold these
 fields and read them through the functions here, so chat and completions share one meaning.
 """
 
@@ -24,7 +25,7 @@ _SCHEMA = (dict, bool)  # a JSON schema given as an object or its text: an objec
 # run the request unconstrained.
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structural_tag", "guided_whitespace_pattern", "structured_outputs", "nvext",
-                     "guided_decoding_backend")
+                     "guided_decoding_backend", "regex", "ebnf")
 
 
 def refuse_constraint_fields(extra: dict[str, Any] | None, read: tuple[str, ...], instead: str) -> None:
@@ -140,6 +141,9 @@ def constraint_sources(req) -> list[tuple[str, dict[str, Any]]]:
         for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(holder, name) is not None:
                 found.append((prefix + name, {kind: getattr(holder, name)}))
+    for name, kind in (("regex", "regex"), ("ebnf", "grammar")):  # SGLang's names
+        if getattr(req, name) is not None:
+            found.append((name, {kind: getattr(req, name)}))
     if req.structural_tag is not None:
         found.append(("structural_tag", {"structural_tag": json_object("structural_tag", req.structural_tag)}))
     so = req.structured_outputs

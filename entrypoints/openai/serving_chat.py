@@ -38,6 +38,7 @@ from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_t
 from fastdeploy_lp.processors.custom_backends import CustomBackend
 from fastdeploy_lp.processors.guided.tool_calls import parameters_paths, tool_call_constraint
 from fastdeploy_lp.reasoning import ReasoningState, ReasoningStream, get_reasoning_parser
+from fastdeploy_lp.sampling_params import SamplingParams
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 from fastdeploy_lp.tokenizer.tokenizer import Tokenizer
 
@@ -50,8 +51,9 @@ class ChatRun:
     n: int
     backend: CustomBackend | None
     reader: dict | None               # `ToolCallParser` kwargs; None: no calls are read from the output
-    thinking: ReasoningState | None   # where the output starts; None: no reasoning parser
+    thinking: ReasoningState | None   # where the output starts; None: no reasoning parser (or not split)
     prefix: str                       # the echoed partial answer
+    include_reasoning: bool = True    # False: the reasoning is split off and dropped
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -64,13 +66,12 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, run.stream, run.n, run.prefix, run.reader, include_usage, req.logprobs,
-                                run.thinking)
+            body = self._stream(request_id, run, include_usage, req.logprobs)
             return SSEResponse(await self.finish_with_backend(run.backend, body, raw), [run.stream], headers=headers)
         finals = (await final_outputs([run.stream], raw))[0]
         parse = functools.partial(parse_tool_calls, **run.reader) if run.reader else None
         response = await self.finish_with_backend(
-            run.backend, self._response(request_id, finals, run.prefix, parse, run.thinking), raw)
+            run.backend, self._response(request_id, finals, run, parse), raw)
         return JSONResponse(response, headers=headers)
 
     async def start(self, req: ChatCompletionRequest) -> ChatRun:
@@ -79,15 +80,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         backend = self.custom_backend(req)
         tools_active = bool(req.tools) and req.tool_choice != "none"  # calls are read from the output
-        with value_errors_as_400():
-            tool_guided = self._tool_constraint(req) if req.tools and backend is None else None
-            guided = req.guided_decoding(tool_guided)
-            if backend is None:
-                self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
-            max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
-                                         defaults=self.generation_defaults, guided=guided)
-            prompt_ids, prompt_text = self._prompt(req)
+        tool_guided, guided, params, (prompt_ids, prompt_text) = self._prepare(req, backend)
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if backend is not None:
             constrained_by = req.constraint_field() if guided is not None else ("tools" if tools_active else None)
             await self.use_custom_backend(backend, req, params, constrained_by)
@@ -97,12 +91,32 @@ class OpenAIServingChat(OpenAIServing):
         if tool_guided is not None:  # the constraint's tags are the tools, in order: errors name the tool
             renames.update(parameters_paths(req.tools_for_template(), req.tool_choice_value()))
         stream = await self.submit(prompt_ids, params, renames=renames)
-        thinking = self.reasoning.prompt_state(prompt_text) if self.reasoning is not None else None
+        thinking = (self.reasoning.prompt_state(prompt_text)
+                    if self.reasoning is not None and req.separate_reasoning is not False else None)
         reader = None
         if tools_active:  # how calls are read: only the tools' names, and one call when parallel is off
             reader = {"names": [t.function.name for t in req.tools],
                       "max_calls": 1 if req.parallel_tool_calls is False else None}
-        return ChatRun(stream, params.n, backend, reader, thinking, _echo_prefix(req))
+        return ChatRun(stream, params.n, backend, reader, thinking, _echo_prefix(req),
+                       include_reasoning=req.include_reasoning is not False)
+
+    def render(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters `req` would run with, validated as
+        `start` validates it; nothing is submitted (POST /v1/chat/completions/render)."""
+        self.check_model(req.model)
+        _, _, params, (prompt_ids, _) = self._prepare(req, self.custom_backend(req))
+        return prompt_ids, params
+
+    def _prepare(self, req: ChatCompletionRequest, backend: CustomBackend | None):
+        """(tool constraint, constraint, sampling params, (prompt ids, prompt text)); 400s name the field."""
+        with value_errors_as_400():
+            tool_guided = self._tool_constraint(req) if req.tools and backend is None else None
+            guided = req.guided_decoding(tool_guided)
+            if backend is None:
+                self.check_guided(guided, "tools" if tool_guided is not None else req.constraint_field())
+            params = req.sampling_params(max_tokens=req.max_new_tokens, logprobs=req.num_logprobs,
+                                         defaults=self.generation_defaults, guided=guided)
+            return tool_guided, guided, params, self._prompt(req)
 
     # -- request → prompt -----------------------------------------------------------------------
     def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
@@ -113,7 +127,8 @@ class OpenAIServingChat(OpenAIServing):
                 return chat_prompt(self.tokenizer, req.messages, req.tools,
                                    add_generation_prompt=req.add_generation_prompt,
                                    chat_template_kwargs=req.chat_template_kwargs,
-                                   limit=self.engine.fd_config.max_model_len)
+                                   limit=self.engine.fd_config.max_model_len,
+                                   continue_final_message=bool(req.continue_final_message))
         except OpenAIError as e:
             tools = json.dumps(req.tools_for_template(), ensure_ascii=False) if req.tools else None
             raise self.blame(e, "tools", tools) from None
@@ -144,18 +159,18 @@ class OpenAIServingChat(OpenAIServing):
         return constraint
 
     # -- non-streaming --------------------------------------------------------------------------
-    def _response(self, request_id: str, finals: dict[int, Any], prefix: str, parse,
-                  thinking: ReasoningState | None) -> dict:
+    def _response(self, request_id: str, finals: dict[int, Any], run: ChatRun, parse) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index in sorted(finals):
             out = finals[index]
             o = out.outputs
             prompt_tokens = len(out.prompt_token_ids)
             completion_tokens += len(o.token_ids)
-            text, message = prefix + o.text, {"role": "assistant"}
-            if thinking is not None:  # a reasoning parser is on: the answer is what follows the reasoning
-                reasoning, text = self.reasoning.split(text, thinking)
-                message["reasoning_content"] = reasoning or None  # as streamed: an empty block sends nothing
+            text, message = run.prefix + o.text, {"role": "assistant"}
+            if run.thinking is not None:  # a reasoning parser is on: the answer is what follows the reasoning
+                reasoning, text = self.reasoning.split(text, run.thinking)
+                if run.include_reasoning:  # as streamed: an empty block sends nothing
+                    message["reasoning_content"] = reasoning or None
             content, tool_calls, finish = _split_tool_calls(text, o.finish_reason, parse)
             message["content"] = content
             if tool_calls:
@@ -172,15 +187,14 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     # -- streaming ------------------------------------------------------------------------------
-    async def _stream(self, request_id: str, stream: RequestStream, n: int, prefix: str, reader: dict | None,
-                      include_usage: bool, want_logprobs: bool,
-                      thinking: ReasoningState | None) -> AsyncIterator[str]:
-        chunks = _ChatChunks(self, request_id, n, reader, include_usage, want_logprobs, thinking)
-        for i in range(n):
-            for chunk in chunks.opening(i, prefix):
+    async def _stream(self, request_id: str, run: ChatRun, include_usage: bool,
+                      want_logprobs: bool) -> AsyncIterator[str]:
+        chunks = _ChatChunks(self, request_id, run, include_usage, want_logprobs)
+        for i in range(run.n):
+            for chunk in chunks.opening(i, run.prefix):
                 yield chunk
         try:
-            async for out in stream:
+            async for out in run.stream:
                 for chunk in chunks.output(out):
                     yield chunk
         except Exception as e:  # the engine stopped under us: tell the client, then end the stream
@@ -197,14 +211,16 @@ class _ChatChunks:
     reasoning deltas (with a reasoning parser), tool-call deltas (with tools) or content deltas,
     logprobs riding on the next delta sent, and the finish chunk."""
 
-    def __init__(self, serving: OpenAIServingChat, request_id: str, n: int, reader: dict | None,
-                 include_usage: bool, want_logprobs: bool, thinking: ReasoningState | None):
+    def __init__(self, serving: OpenAIServingChat, request_id: str, run: ChatRun, include_usage: bool,
+                 want_logprobs: bool):
         self.serving = serving
         self.request_id, self.created, self.model = request_id, int(time.time()), serving.model_name
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
-        self.parsers = [ToolCallParser(**reader) for _ in range(n)] if reader is not None else None
-        self.reasoning = ([ReasoningStream(serving.reasoning, thinking) for _ in range(n)]
-                          if thinking is not None else None)
+        n = run.n
+        self.parsers = [ToolCallParser(**run.reader) for _ in range(n)] if run.reader is not None else None
+        self.reasoning = ([ReasoningStream(serving.reasoning, run.thinking) for _ in range(n)]
+                          if run.thinking is not None else None)
+        self.include_reasoning = run.include_reasoning
         self.sent_logprobs = [0] * n
         self.prompt_tokens, self.completion = 0, [0] * n
 
@@ -230,7 +246,7 @@ class _ChatChunks:
         prefix_answer = prefix
         if self.reasoning is not None and prefix:
             thought, prefix_answer = self.reasoning[i].feed(prefix)
-            if thought:
+            if thought and self.include_reasoning:
                 out.append(self.chunk(i, {"reasoning_content": thought}))
         if prefix_answer and self.parsers is None:
             out.append(self.chunk(i, {"content": prefix_answer}))
@@ -248,7 +264,7 @@ class _ChatChunks:
         answer, chunks = o.delta_text, []
         if self.reasoning is not None:  # reasoning deltas first; the rest is the answer
             thought, answer = self.reasoning[i].feed(answer, final=ending)
-            if thought:
+            if thought and self.include_reasoning:
                 chunks.append(self.chunk(i, {"reasoning_content": thought}, logprobs=self.new_logprobs(o)))
         if self.parsers is not None:  # tools: content and calls as the parser reads them
             events = self.parsers[i].feed(answer)
@@ -308,7 +324,8 @@ def _call_id() -> str:
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[ToolDefinition] | None, *,
                 add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                add_special_tokens: bool = False, limit: int | None = None) -> tuple[list[int], str]:
+                add_special_tokens: bool = False, limit: int | None = None,
+                continue_final_message: bool = False) -> tuple[list[int], str]:
     """The ids and text of a chat's prompt, as /v1/chat/completions renders and encodes it (the
     template writes the special tokens, so none are added by default); /tokenize and
     /v1/messages/count_tokens count with it. `limit`: refuse a text certainly longer than that many
@@ -316,7 +333,8 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[T
     text = render_chat_prompt(tokenizer, [m.for_template() for m in messages],
                               add_generation_prompt=add_generation_prompt,
                               tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                              chat_template_kwargs=chat_template_kwargs)
+                              chat_template_kwargs=chat_template_kwargs,
+                              continue_final_message=continue_final_message)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=limit), text
 
 

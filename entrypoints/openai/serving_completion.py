@@ -18,6 +18,7 @@ from fastdeploy_lp.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy_lp.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEResponse, abort_all,
                                                              choice_error, engine_error_event, final_outputs,
                                                              merge_streams, sse, usage, value_errors_as_400)
+from fastdeploy_lp.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -58,6 +59,21 @@ class OpenAIServingCompletion(OpenAIServing):
         response = await self.finish_with_backend(backend, self._response(request_id, finals, n, prompts,
                                                                           bool(req.echo)), raw)
         return JSONResponse(response, headers=headers)
+
+    def render(self, req: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
+        """Per prompt, its token ids and the sampling parameters it would run with, validated as
+        `create` validates them; nothing is submitted (POST /v1/completions/render)."""
+        self.check_model(req.model)
+        with value_errors_as_400():
+            guided = req.guided_decoding()
+            if self.custom_backend(req) is None:
+                self.check_guided(guided, req.constraint_field())
+            params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+                                         defaults=self.generation_defaults, guided=guided)
+            limit = self.engine.fd_config.max_model_len
+            return [(self.tokenizer.encode(p, add_special_tokens=True, limit=limit) if isinstance(p, str) else list(p),
+                     params)
+                    for p in req.prompts()]
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)

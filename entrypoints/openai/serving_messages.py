@@ -36,6 +36,7 @@ from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServing
 from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs, value_errors_as_400
 from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser, parse_tool_calls
 from fastdeploy_lp.reasoning import ReasoningStream
+from fastdeploy_lp.sampling_params import SamplingParams
 
 
 class AnthropicServingMessages:
@@ -63,6 +64,13 @@ class AnthropicServingMessages:
         if out.outputs.finish_reason == "error":
             raise OpenAIError(500, out.outputs.error or "generation failed", code="generation_error")
         return JSONResponse(self._message(message_id, out, run), headers=headers)
+
+    def render(self, req: AnthropicMessagesRequest) -> tuple[list[int], SamplingParams]:
+        """The chat request `req` becomes, rendered (POST /v1/messages/render); nothing is run."""
+        try:
+            return self.chat.render(_chat_request(req))
+        except OpenAIError as e:
+            raise self.chat.blame(e, "system", req.system_text()) from None
 
     def _check_thinking_budget(self) -> None:
         """`budget_tokens` is enforced by a processor reading `thinking_budget`; a server without one

@@ -34,6 +34,7 @@ from fastdeploy_lp.entrypoints.openai.serving_chat import ChatRun, OpenAIServing
 from fastdeploy_lp.entrypoints.openai.serving_engine import SSEResponse, final_outputs
 from fastdeploy_lp.entrypoints.openai.tool_parser import ToolCallParser
 from fastdeploy_lp.reasoning import ReasoningStream
+from fastdeploy_lp.sampling_params import SamplingParams
 
 _STATUS = {"stop": "completed", "length": "incomplete", "error": "failed", "abort": "incomplete"}
 
@@ -61,6 +62,14 @@ class OpenAIServingResponses:
         shape.builder.feed(final.outputs.text)
         response = shape.finish(final)
         return JSONResponse(response, headers=headers)
+
+    def render(self, req: ResponsesRequest) -> tuple[list[int], SamplingParams]:
+        """The chat request `req` becomes, rendered (POST /v1/responses/render); nothing is run."""
+        try:
+            return self.chat.render(_chat_request(req, self._history(req.previous_response_id)))
+        except OpenAIError as e:
+            blamed = self.chat.blame(e, "instructions", req.instructions)
+            raise (blamed if blamed is not e else _renamed(e)) from None
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         entry = self.store.get(response_id)

@@ -127,7 +127,8 @@ def _arguments(value) -> str:
 
 
 def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                       tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                       tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                       continue_final_message: bool = False) -> str:
     """The prompt text of one conversation: the one chat renderer (the server and `LLM.chat`).
 
     `tokenizer` is the engine's `Tokenizer` (its template, BOS and EOS). `chat_template_kwargs` are
@@ -135,8 +136,23 @@ def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt
     (`messages`, `tools`, `add_generation_prompt`) or what the tokenizer does (`bos_token`,
     `eos_token`). Every failure is a `ValueError` naming the field, including a template that fails
     on odd input. The template writes any BOS it wants, as transformers does for chat prompts, so
-    encode the result with `add_special_tokens=False`.
+    encode the result with `add_special_tokens=False`. `continue_final_message` ends the text right
+    after the last message's content (vLLM's and transformers' meaning), so the answer continues it.
     """
+    text = _rendered(tokenizer, messages, add_generation_prompt, tools, chat_template_kwargs)
+    if not continue_final_message:
+        return text
+    final = messages[-1].get("content")
+    final = final if isinstance(final, str) else "".join(p.get("text", "") for p in final or [])
+    end = text.rfind(final.strip()) if final.strip() else -1
+    if end < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                         "as given, so the prompt cannot end inside it")
+    return text[:end + len(final.strip())]
+
+
+def _rendered(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+              chat_template_kwargs: dict[str, Any] | None) -> str:
     check_text(messages, "messages")
     check_text(tools, "tools")
     check_text(chat_template_kwargs, "chat_template_kwargs")

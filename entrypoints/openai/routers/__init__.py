@@ -8,17 +8,19 @@
     messages.py     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic) → serving_messages.py
     responses.py    POST /v1/responses, GET and DELETE /v1/responses/{id} → serving_responses.py
     worker_info.py  GET /get_model_info, /get_server_info, /get_load (what request routers read)
+    render.py       POST /v1/{chat/completions,completions,responses,messages}/render: prompt ids, no generation
 """
 
 from fastdeploy_lp.entrypoints.openai.routers.generation import router as generation_router
 from fastdeploy_lp.entrypoints.openai.routers.health import router as health_router
 from fastdeploy_lp.entrypoints.openai.routers.messages import router as messages_router
 from fastdeploy_lp.entrypoints.openai.routers.models import router as models_router
+from fastdeploy_lp.entrypoints.openai.routers.render import router as render_router
 from fastdeploy_lp.entrypoints.openai.routers.responses import router as responses_router
 from fastdeploy_lp.entrypoints.openai.routers.tokenize import router as tokenize_router
 from fastdeploy_lp.entrypoints.openai.routers.worker_info import router as worker_info_router
 
 ROUTERS = (health_router, models_router, generation_router, tokenize_router, responses_router, messages_router,
-           worker_info_router)
+           worker_info_router, render_router)
 
 __all__ = ["ROUTERS"]
