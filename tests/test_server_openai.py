@@ -235,6 +235,26 @@ def test_health_metrics_and_metrics_port(server, client):
     assert server.metric("fastdeploy_lp:generation_tokens_total") >= 3
 
 
+def test_metrics_under_vllm_names_with_one_label_set_per_metric(server, client):
+    """Autoscalers and routers query vLLM's names; a router merging replicas' scrapes needs each
+    metric's label names fixed from the first scrape (sglang-router's /engine_metrics failed with
+    "Label names should agree" when one replica had finished requests and the other had not)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    client.completions.create(model="tiny-qwen2", prompt=PROMPT, max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url("/metrics"), timeout=5).text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+        [sample] = [s for s in families[name].samples if not s.name.endswith("_created")]
+        assert sample.labels == {"model_name": "tiny-qwen2"}, name
+    assert families["vllm:prefix_cache_queries"].samples[0].value == server.metric(
+        "fastdeploy_lp:prefix_cache_queries_total")
+    reasons = {s.labels["finish_reason"] for s in families["fastdeploy_lp:request_finished"].samples}
+    assert reasons == {"stop", "length", "abort", "error"}  # at zero before any such finish
+    for family in families.values():
+        label_sets = {frozenset(set(s.labels) - {"le"}) for s in family.samples}
+        assert len(label_sets) <= 1, (family.name, label_sets)
+
+
 def _guided(server) -> bool:
     data = httpx.get(server.url("/v1/logits_processors"), timeout=10).json()["data"]
     return any(d["name"] == "GuidedDecodingLogitsProcessor" for d in data)

@@ -88,7 +88,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     state.request_limits = dataclasses.replace(settings.limits, max_model_len=engine.fd_config.max_model_len)
     state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests,
                                         stall_timeout_s=settings.engine_stall_timeout_s)
-    state.metrics = ServerMetrics(state.async_engine)
+    state.metrics = ServerMetrics(state.async_engine, settings.served_model_names[0])
     state.async_engine.observer = state.metrics.observe
     # "unknown": what sglang-router writes into a request that names no model (one model is served)
     aliases = settings.model_aliases | {"default", "unknown", settings.model_path}

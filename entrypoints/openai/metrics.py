@@ -26,6 +26,23 @@
 | fastdeploy_lp:spec_decode_backoffs_total{method}        | counter | pauses requests took because their drafts did not pay |
 | fastdeploy_lp:spec_decode_paused_steps_total{method}    | counter | request-steps spent in those pauses       |
 | fastdeploy_lp:spec_decode_forced_tokens_total{method}   | counter | tokens a grammar (any processor) forced at draft positions, appended by verify passes |
+
+The gauges and counters that request routers and autoscalers read are also served under vLLM's
+names, with vLLM's `model_name` label (the served name), so a KEDA trigger, an HPA adapter or
+a router's load query written for vLLM works unchanged:
+
+| metric                                                   | same value as                          |
+|----------------------------------------------------------|----------------------------------------|
+| vllm:num_requests_running{model_name}                    | fastdeploy_lp:num_requests_running     |
+| vllm:num_requests_waiting{model_name}                    | fastdeploy_lp:num_requests_waiting     |
+| vllm:kv_cache_usage_perc{model_name}                     | fastdeploy_lp:kv_cache_usage_perc      |
+| vllm:prefix_cache_queries_total{model_name}              | fastdeploy_lp:prefix_cache_queries_total |
+| vllm:prefix_cache_hits_total{model_name}                 | fastdeploy_lp:prefix_cache_hits_total  |
+| vllm:num_preemptions_total{model_name}                   | fastdeploy_lp:num_preemptions_total    |
+
+Every labelled metric has the same label names on every replica from the first scrape (the finish
+reasons are created at zero), so a router that merges its replicas' scrapes (`sglang-router`'s
+/engine_metrics) never sees one metric with two label sets.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastdeploy_lp.engine.protocol import EngineClient, RequestStream
-from fastdeploy_lp.engine.request import RequestOutput
+from fastdeploy_lp.engine.request import FinishReason, RequestOutput
 
 PREFIX = "fastdeploy_lp:"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -46,7 +63,7 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 class ServerMetrics:
     """Owns the registry; `observe` is the engine's output observer."""
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
         running = Gauge(PREFIX + "num_requests_running", "Sequences in engine slots.", registry=r)
@@ -61,9 +78,12 @@ class ServerMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter(PREFIX + "request_finished", "Finished sequences by finish reason.",
                                 ["finish_reason"], registry=r)
+        for reason in FinishReason:
+            self.finished.labels(reason.value)
         r.register(_ProcessorTimeCollector(engine))
         r.register(_KVCacheCollector(engine))
         r.register(_SpeculativeCollector(engine))
+        r.register(_VLLMNamesCollector(engine, model_name))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
@@ -156,4 +176,26 @@ class _SpeculativeCollector:
                  "verify passes.", "forced_tokens", CounterMetricFamily)):
             metric = family(PREFIX + name, doc, labels=["method"])
             metric.add_metric([stats["method"]], stats[key])
+            yield metric
+
+
+class _VLLMNamesCollector:
+    """The load and cache figures routers and autoscalers read, under vLLM's names and label."""
+
+    def __init__(self, engine: EngineClient, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        stats = self.engine.kv_cache_stats()
+        for name, doc, value, family in (
+                ("num_requests_running", "Requests in engine slots.", self.engine.num_running, GaugeMetricFamily),
+                ("num_requests_waiting", "Requests waiting for a slot.", self.engine.num_waiting, GaugeMetricFamily),
+                ("kv_cache_usage_perc", "KV cache usage, 0..1.", stats.usage, GaugeMetricFamily),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queried_tokens,
+                 CounterMetricFamily),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens,
+                 CounterMetricFamily),
+                ("num_preemptions", "Requests preempted.", stats.preemptions, CounterMetricFamily)):
+            metric = family("vllm:" + name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
             yield metric
