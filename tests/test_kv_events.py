@@ -202,7 +202,8 @@ def test_a_late_subscriber_gets_the_missed_batches_from_the_replay_socket(llm, s
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         replayed = []
         while dealer.poll(2000):
-            _, seq, payload = dealer.recv_multipart()
+            empty, topic, seq, payload = dealer.recv_multipart()  # the live message's frames after b""
+            assert (empty, topic) == (b"", b"kv-events")
             if seq == (-1).to_bytes(8, "big", signed=True):
                 assert payload == b""
                 break

@@ -23,8 +23,10 @@ decodes an int or bytes hash alike (it keys its index by its own hash of `token_
 consumers (Dynamo, llm-d before bytes support) read only ints.
 
 A replay ROUTER socket (`replay_endpoint`) answers a request `[identity, b"", start_seq]` with
-`[identity, b"", seq, payload]` for each buffered batch from `start_seq` on, then
-`[identity, b"", -1 (8 bytes, signed), b""]`, as vLLM's does.
+`[identity, b"", topic, seq, payload]` for each buffered batch from `start_seq` on, then
+`[identity, b"", topic, -1 (8 bytes, signed), b""]`: a DEALER reads the live message's frames after
+its empty delimiter. The topic frame is vLLM's since PR #45177; vllm-router 0.1.17 reads the
+sequence number as the second frame from the end and drops a replay answer without it.
 """
 
 from __future__ import annotations
@@ -222,8 +224,8 @@ class KVEventPublisher:
                 start_seq = int.from_bytes(start, "big")
                 for seq, payload in list(self._buffer):
                     if seq >= start_seq:
-                        self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-                self._replay.send_multipart((client, b"", END_SEQ, b""))
+                        self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((client, b"", self._topic, END_SEQ, b""))
         except Exception:  # noqa: BLE001 - a bad replay request must not stop publishing
             logger.exception("KV events: replay failed")
 
