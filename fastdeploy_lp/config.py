@@ -247,7 +247,7 @@ class EngineArgs:
               f"limit.", group=CACHE, parse=positive_int, metavar="N")
     kv_events_config: str | dict | None = option(
         None, "Publish KV-cache events (blocks stored in and removed from the prefix cache) for KV-aware routers "
-              "(vllm-router --policy kv_aware, Dynamo, llm-d), as vLLM's JSON object and wire format: "
+              "(vllm-router's kv_aware policy, Dynamo, llm-d), as vLLM's JSON object and wire format: "
               "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
               "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\", \"buffer_steps\": 10000, "
               "\"hwm\": 100000}. Needs prefix caching. Default: off. See docs/distributed.md.", group=CACHE,
