@@ -110,7 +110,7 @@ class FDConfig:
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
     tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
     sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
-    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events published
+    kv_events_config: KVEventsConfig | None  # None: no KV-cache events published
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":

@@ -68,7 +68,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_value(cls, value: KVEventsConfig | dict | str | None,
-                   enable_prefix_caching: bool = True) -> KVEventsConfig | None:
+                   enable_prefix_caching: bool) -> KVEventsConfig | None:
         """The config of a JSON string, a dict or a config; None (no events) for None, {} or a config
         that does not publish. Refuses events without prefix caching: the events describe the
         prefix cache's blocks, and with it off no block is ever cached."""
@@ -95,7 +95,7 @@ class KVEventsConfig:
 def parse_kv_events_config(text: str) -> dict[str, Any]:
     """The command line's JSON object, checked (argparse reports the error with the flag)."""
     try:
-        KVEventsConfig.from_value(text)
+        KVEventsConfig.from_value(text, enable_prefix_caching=True)  # checked with the other flags later
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return json.loads(text)

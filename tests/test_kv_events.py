@@ -105,8 +105,8 @@ def test_the_config_takes_vllms_fields_and_defaults():
     assert (config.publisher, config.endpoint, config.replay_endpoint) == ("zmq", "tcp://*:5557", None)
     assert (config.topic, config.buffer_steps, config.hwm, config.max_queue_size) == ("kv-events", 7, 9, 100_000)
     # Disabled, or the null publisher: no events, as vLLM.
-    assert KVEventsConfig.from_value({"enable_kv_cache_events": False}) is None
-    assert KVEventsConfig.from_value({"enable_kv_cache_events": True, "publisher": "null"}) is None
+    assert KVEventsConfig.from_value({"enable_kv_cache_events": False}, enable_prefix_caching=False) is None
+    assert KVEventsConfig.from_value({"enable_kv_cache_events": True, "publisher": "null"}, True) is None
 
 
 def test_the_server_flag_checks_the_json(capsys):
