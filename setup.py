@@ -40,6 +40,8 @@ setup(
         "pyzmq",    # KV-cache events (--kv-events-config): vLLM's ZMQ publisher
         "msgpack",  # ... and its msgpack wire format
     ],
-    extras_require={"test": ["pytest", "openai", "openai-agents", "httpx", "jsonschema", "anthropic"]},
+    # the request routers tests/test_routers.py puts in front of two replicas
+    extras_require={"test": ["pytest", "openai", "openai-agents", "httpx", "jsonschema", "anthropic",
+                             "sglang-router==0.3.2", "vllm-router==0.1.17"]},
     entry_points={"console_scripts": ["fastdeploy-lp=fastdeploy_lp.entrypoints.cli:main"]},
 )

@@ -61,9 +61,10 @@ class RunningServer:
 
 
 def start_server(*args: str, model: str = QWEN2, metrics_port: bool = False, env: dict | None = None,
-                 timeout: float = 90.0, open_files: int | None = None) -> RunningServer:
-    """`open_files`: the server process's open-file limit (soft and hard), as `ulimit -n` sets it."""
-    port = free_port()
+                 timeout: float = 90.0, open_files: int | None = None, port: int | None = None) -> RunningServer:
+    """`open_files`: the server process's open-file limit (soft and hard), as `ulimit -n` sets it;
+    `port`: a given one (a replica restarted where a router expects it), else a free one."""
+    port = port or free_port()
     mport = free_port() if metrics_port else None
     cmd = [sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
