@@ -184,7 +184,7 @@ def test_evicting_cached_blocks_for_new_ones_publishes_block_removed(llm, sub):
 
 def test_reset_prefix_cache_publishes_all_blocks_cleared(llm, sub):
     llm.generate([list(range(400, 410))], GREEDY, use_tqdm=False)
-    llm.engine.reset_prefix_cache()
+    llm.reset_prefix_cache()
     events = events_of(sub.receive())
     assert events[-1] == {"type": "AllBlocksCleared"}
     assert llm.engine.block_pool.lookup(block_hashes(list(range(400, 410)), BLOCK), 2) == []

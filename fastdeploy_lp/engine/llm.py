@@ -117,6 +117,11 @@ class LLM:
         `backoffs`, `paused_steps`, `forced_tokens` (the numbers /metrics serves)."""
         return self.engine.speculative_stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefix blocks no request holds (between `generate` calls: all), as vLLM's
+        `LLM.reset_prefix_cache`; with KV events on, routers hear `AllBlocksCleared`."""
+        self.engine.reset_prefix_cache()
+
     def _run(self, prompts, sampling_params, use_tqdm, add_special_tokens=True) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
