@@ -7,6 +7,8 @@ per-row scale (`wint8`), or the bytes of GGML blocks with their `WeightLayout` (
 
 from __future__ import annotations
 
+import contextlib
+
 import paddle
 from paddle import nn
 
@@ -16,14 +18,43 @@ from fastdeploy_lp.model import cpu_kernels, gpu_weight_only
 
 
 FEW_ROWS = 64  # up to this many tokens, a CPU GEMM streams the weight faster as weight @ x^T
+_batch_invariant = False  # inside `batch_invariant_mode`
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool):
+    """`--deterministic` (docs/deterministic.md) inside the block, the mode before it restored after:
+    `kernels_for` gives the kernels for every op and row count whatever `cpu_dispatch` measured,
+    and their linear sums a row alike at every row count (`kernels.c`). The runner holds it over
+    each pass of a deterministic engine, so engines with and without it share a process. A
+    `RuntimeError` where the kernels cannot run."""
+    global _batch_invariant
+    before, kernels = _batch_invariant, cpu_kernels.load() if on else cpu_kernels.load_if_built()
+    if on and kernels is None:
+        raise RuntimeError(f"deterministic: needs the CPU kernels, which are "
+                           f"{'off (' + cpu_kernels.SWITCH + '=0)' if cpu_kernels.mode() == '0' else 'not built here'}")
+    try:
+        if kernels is not None and bool(on) != before:
+            kernels.set_batch_invariant(int(on))
+        _batch_invariant = bool(on)
+        yield kernels
+    finally:
+        if kernels is not None and bool(on) != before:
+            kernels.set_batch_invariant(int(before))
+        _batch_invariant = before
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
 
 
 def kernels_for(x: paddle.Tensor, op: str, rows: int) -> cpu_kernels.CpuKernels | None:
     """The CPU kernels when `x` is a float32 CPU tensor and they run `op` over `rows` rows here
-    (`cpu_kernels.for_op`: measured faster than Paddle's op, or forced on), else None."""
+    (`cpu_kernels.for_op`: measured faster than Paddle's op, or forced on; every op in
+    `batch_invariant_mode`), else None."""
     if x.dtype != paddle.float32 or not x.place.is_cpu_place():
         return None
-    return cpu_kernels.for_op(op, rows)
+    return cpu_kernels.load() if _batch_invariant else cpu_kernels.for_op(op, rows)
 
 
 def linear_weight(layer: nn.Layer, shape: list[int], config: ModelConfig, vocabulary: bool = False,
@@ -67,13 +98,15 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     """
     if layout is not None:
         kernels = cpu_kernels.required(layout.describe())
-        if x.shape[0] > cpu_kernels.KERNEL_ROWS and cpu_kernels.for_op("blocks", x.shape[0]) is None:
+        if (x.shape[0] > cpu_kernels.KERNEL_ROWS and not _batch_invariant
+                and cpu_kernels.for_op("blocks", x.shape[0]) is None):
             return widened_linear(kernels, x, weight, bias, layout)  # measured faster, or kernels off
         return kernels.linear(x, weight, bias, scale, layout)
     if scale is not None and x.place.is_gpu_place():
         return gpu_weight_only.linear(x, weight, bias, scale)
-    rows = x.shape[0]
-    if rows <= cpu_kernels.KERNEL_ROWS and (kernels := kernels_for(x, "linear", rows)) is not None:
+    rows = x.shape[0]  # batch-invariant: the kernel at every row count, never a BLAS whose blocking depends on rows
+    if ((rows <= cpu_kernels.KERNEL_ROWS or _batch_invariant)
+            and (kernels := kernels_for(x, "linear", rows)) is not None):
         return kernels.linear(x, weight, bias, scale)
     return paddle_linear(x, weight, bias, scale)
 

@@ -248,10 +248,13 @@ class CpuKernels:
         self._transpose.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._argmax = library.fdlp_argmax
         self._argmax.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
+        self._rms_norm, self.set_batch_invariant = library.fdlp_rms_norm, library.fdlp_set_batch_invariant
+        self._rms_norm.argtypes, self.set_batch_invariant.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int], [c_int]
         self._layers = library.fdlp_decoder_layers
         self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
         self._layers.restype = c_int
-        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax):
+        for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._rms_norm,
+                   self.set_batch_invariant):
             fn.restype = None
 
     def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention) -> paddle.Tensor:
@@ -271,6 +274,13 @@ class CpuKernels:
                         stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
                         ctypes.byref(attention_struct), work.data_ptr(), _threads):
             raise MemoryError("decoder layers: no memory for the block-format linears' buffers")
+        return out
+
+    def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+        """RMSNorm over the last axis of float32 x, each row as the fused layers sum it (layer.h)."""
+        x, width = x if x.is_contiguous() else x.contiguous(), x.shape[-1]
+        out = paddle.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size // width, width, eps, _threads)
         return out
 
     def linear(self, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None,
@@ -465,6 +475,11 @@ def required(weights: str) -> CpuKernels:
         raise RuntimeError(f"{weights} weights need the CPU kernels, which could not be built here (a C compiler "
                            f"on PATH, cc or gcc, builds them at first use)")
     return kernels
+
+
+def load_if_built() -> CpuKernels | None:
+    """The kernels if a call before built them, else None (never builds)."""
+    return _loaded or None
 
 
 def _built() -> CpuKernels | None:

@@ -41,6 +41,14 @@ typedef int32_t ivec __attribute__((vector_size(LANES * 4), aligned(4)));
 /* The build's vector width, for the loader's log and its tests. */
 int fdlp_lanes(void) { return LANES; }
 
+/* Batch-invariant mode (`--deterministic`): every linear layer takes the same per-row path whatever
+ * the number of rows of x (linear.h's `rows_times` for one row too, not the GEMV with its four
+ * accumulators; a block format's integer kernel for many rows too, not widened panels), so one
+ * row's result does not depend on its neighbours. Each output element is summed by one thread in
+ * a fixed order, so it does not depend on the thread count either. */
+static int batch_invariant;
+void fdlp_set_batch_invariant(int on) { batch_invariant = on != 0; }
+
 static inline vec load(const float *p) { return *(const vec *)p; }
 
 static inline vec load_tail(const float *p, int64_t n) {

@@ -19,6 +19,14 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t ro
     }
 }
 
+/* rms_norm over rows of x on every thread, each row by one thread in rms_norm's order: the
+ * unfused layers' norms in batch-invariant mode, so they equal the fused call's bit for bit. */
+void fdlp_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t width, float eps,
+                   int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < rows; m++) rms_norm(x + m * width, weight, out + m * width, 1, width, eps);
+}
+
 /* A linear layer: its weight, per-row scale (int8) and bias (NULL where it has none), and the formats
  * of its rows: `parts` row ranges in order, part i `rows[i]` rows of format `format[i]` (0 float32,
  * 1 bfloat16, 2 float16, 3 int8, else a block format of blocks.h), stored one after the other. A
@@ -88,13 +96,16 @@ int fdlp_block_panel_rows(int format) {
     return format == FMT_Q4_K || format == FMT_Q5_K || format == FMT_Q6_K ? 8 : 64;
 }
 
+/* ... for this call: never in batch-invariant mode, where the integer kernel takes every row count. */
+static int64_t block_panel_rows(int format) { return batch_invariant ? INT64_MAX : fdlp_block_panel_rows(format); }
+
 /* y[M, N] = x[M, K] @ lin^T (times its row scales, plus its bias), part by part. x is quantized to
  * int16 once if any part is a block format. Returns -1 if the buffer for that could not grow. */
 int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_len, int64_t n_len, int64_t k_len,
                 int threads) {
     xquant_t xq = {NULL, NULL, NULL, k_len, k_len / 32};
     for (int64_t p = 0; p < lin->parts && !xq.q; p++) {
-        if (lin->format[p] < 100 || m_len >= fdlp_block_panel_rows((int)lin->format[p])) continue;
+        if (lin->format[p] < 100 || m_len >= block_panel_rows((int)lin->format[p])) continue;
         float *d, *s;
         int16_t *q = x_buffer(m_len, k_len, &d, &s);
         if (!q) return -1;
@@ -113,7 +124,7 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
             case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             default:
-                if (m_len < fdlp_block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
+                if (m_len < block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
                                                                threads);
                 else if (block_panels_of((int)format, x, w, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
         }

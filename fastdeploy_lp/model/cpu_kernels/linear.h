@@ -176,14 +176,15 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
                               float *y, int64_t m_len, int64_t ldy, int64_t k_len, int64_t n0, int64_t n1,
                               const char *next, int64_t next_lines) {
     int64_t tiles = (m_len + X_ROWS - 1) / X_ROWS, share = (next_lines + tiles - 1) / tiles; /* per tile of x */
+    int gemv = m_len == 1 && !batch_invariant; /* batch-invariant: one row as rows_times sums it */
 #ifdef SPLIT
-    if (m_len == 1 && xs) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
-    else if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
+    if (gemv && xs) NAME(split_vector_times)(x, xs, w, scale, y, k_len, n0, n1);
+    else if (gemv) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
 #else
     (void)xs;
-    if (m_len == 1) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
+    if (gemv) NAME(vector_times)(x, w, scale, y, k_len, n0, n1);
 #endif
-    for (int64_t m0 = 0; m_len > 1 && m0 < m_len; m0 += X_ROWS) {
+    for (int64_t m0 = 0; !gemv && m0 < m_len; m0 += X_ROWS) {
         const float *xm = x + m0 * k_len;
         float *ym = y + m0 * ldy;
         switch (m_len - m0 < X_ROWS ? m_len - m0 : X_ROWS) {
@@ -214,7 +215,7 @@ static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, co
                          int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
 #ifdef SPLIT
-    const float *xs = m_len == 1 ? permute_x(x, k_len, SPLIT) : NULL;
+    const float *xs = m_len == 1 && !batch_invariant ? permute_x(x, k_len, SPLIT) : NULL;
 #else
     const float *xs = NULL;
 #endif
