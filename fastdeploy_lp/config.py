@@ -111,6 +111,7 @@ class FDConfig:
     tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
     sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
     kv_events_config: KVEventsConfig | None  # None: no KV-cache events published
+    deterministic: bool  # batch-invariant kernels (docs/deterministic.md)
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -180,6 +181,11 @@ class EngineArgs:
     cpu_threads: int | None = option(None, "Threads for CPU math. Default: every core this process may use (split "
                                            "between tensor-parallel ranks).", group=MODEL, parse=positive_int,
                                      metavar="N")
+    deterministic: bool = option(
+        False, "Batch-invariant inference: a request's tokens and logprobs are the same bit for bit whatever it is "
+               "batched with (neighbours, prefix cache hits, prompt chunks, preemption, n, speculation), on the same "
+               "model, weights, flags and CPU ISA; every op on the CPU kernels in one fixed summation order. CPU, "
+               "one rank, a silu MLP; slower prefill. See docs/deterministic.md.", group=MODEL)
     logits_processors: list[str] = option(
         default_factory=list, help="Logits processors, applied in this order: a built-in name (e.g. "
         "LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable them through "
@@ -291,6 +297,8 @@ class EngineArgs:
         model_config = model_config or ModelConfig.from_pretrained(self.model_path)
         check_tensor_parallel(model_config, device, self.tensor_parallel_size)  # before any weight loads
         model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
+        if self.deterministic:
+            _check_deterministic(model_config, device, self.tensor_parallel_size)
         if model_config.quantization == "wint4":
             wint4_format(self.wint4_group_size)  # refuses another group size, naming it
             model_config = dataclasses.replace(model_config, wint4_group=self.wint4_group_size)
@@ -305,7 +313,7 @@ class EngineArgs:
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
                         kv_events_config=KVEventsConfig.from_value(self.kv_events_config, self.enable_prefix_caching),
-                        tokenizer_dir=self.tokenizer, sequence_limits=limits)
+                        tokenizer_dir=self.tokenizer, sequence_limits=limits, deterministic=self.deterministic)
 
     def sequence_limits(self) -> SequenceLimits:
         """The request limits of these options; a `ValueError` names a bad one."""
@@ -316,6 +324,20 @@ class EngineArgs:
         if self.max_n > MAX_N:
             raise ValueError(f"max_n: at most {MAX_N}, got {self.max_n}")
         return SequenceLimits(**values)
+
+
+def _check_deterministic(model_config: ModelConfig, device: str, tensor_parallel_size: int) -> None:
+    """Refuse what `--deterministic` cannot make batch-invariant, naming why (docs/deterministic.md)."""
+    why = None
+    if not device.startswith("cpu"):
+        why = f"it runs on this engine's CPU kernels, and the device is {device}"
+    elif tensor_parallel_size != 1:
+        why = "the ranks' all-reduce order is not fixed here (tensor_parallel_size must be 1)"
+    elif model_config.hidden_act not in ("silu", "swish"):
+        why = (f"hidden_act={model_config.hidden_act!r} runs in Paddle's elementwise ops, whose split between "
+               f"vector and scalar code depends on the tensor's size (the kernels' swiglu covers silu only)")
+    if why:
+        raise ValueError(f"deterministic: cannot be batch-invariant here: {why}")
 
 
 def _with_dtype(model_config: ModelConfig, dtype: str | None, quantization: str | None, device: str) -> ModelConfig:

@@ -111,8 +111,9 @@ async def _lifespan(app: FastAPI):
     async_engine, settings = app.state.async_engine, app.state.settings
     async_engine.start()
     throttle_accept_errors(asyncio.get_running_loop())
-    logger.info("serving %s (%s) with logits processors: %s", settings.served_model_names[0],
-                settings.model_path, ", ".join(type(p).__name__ for p in async_engine.processors) or "none")
+    logger.info("serving %s (%s)%s with logits processors: %s", settings.served_model_names[0], settings.model_path,
+                ", deterministic (batch-invariant)" if async_engine.fd_config.deterministic else "",
+                ", ".join(type(p).__name__ for p in async_engine.processors) or "none")
     template = async_engine.tokenizer.chat_template
     if template.source and not template.renders_tools:
         logger.info("the chat template does not render tools: a request's tools go into its system prompt, with "

@@ -21,6 +21,7 @@ import paddle
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.distributed.shard import TensorShard
 from fastdeploy_lp.model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
+from fastdeploy_lp.model.linear import batch_invariant_mode
 from fastdeploy_lp.model.loader import weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -146,12 +147,24 @@ class ModelRunner:
         for pair in self.kv_caches:
             for c in pair:
                 c[:null_rows] = 0
-        cpu_dispatch.prepare(self.model, self.block_size)
+        self.deterministic = fd_config.deterministic
+        if self.deterministic:  # every op on the kernels: no plan to measure
+            with batch_invariant_mode(True) as kernels:  # refuses here where the kernels cannot run
+                logger.info("deterministic: batch-invariant CPU kernels for every op (%s, %d floats per vector)",
+                            cpu_features.detect().describe(), kernels.lanes)
+        else:
+            cpu_dispatch.prepare(self.model, self.block_size)
 
-    @paddle.no_grad()
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
         """Logits `[rows, vocab]` (float32) for the last `num_logits` tokens of the feeds asking for
-        them, in the feeds' order (a feed's rows in position order). All feeds run in one pass, laid out group by group (feeds adding the same
+        them, in the feeds' order (a feed's rows in position order): `_forward` in this engine's
+        kernel mode (a process may hold engines with and without `deterministic`)."""
+        with batch_invariant_mode(self.deterministic):
+            return self._forward(feeds, fresh_blocks)
+
+    @paddle.no_grad()
+    def _forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
+        """`forward`'s pass. All feeds run in one pass, laid out group by group (feeds adding the same
         number of tokens); `fresh_blocks` are zeroed first."""
         order = sorted(range(len(feeds)), key=lambda i: len(feeds[i].tokens))
         ids, last = [], {}

@@ -52,7 +52,7 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.started, "owned_by": "fastdeploy_lp",
             "root": state.settings.model_path, "max_model_len": engine.fd_config.max_model_len,
             "weight_dtype": model.weight_dtype, "quantization": quantization,
-            "weight_bytes": engine.weight_bytes}
+            "weight_bytes": engine.weight_bytes, "deterministic": engine.fd_config.deterministic}
 
 
 def _processor_card(cls: type, position: int, installed_by_engine: bool) -> dict:
