@@ -5,6 +5,7 @@ of missed batches over the ROUTER socket. The engine is the built-in default mod
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -227,6 +228,27 @@ def test_a_reset_that_leaves_held_blocks_cached_names_the_blocks_it_forgot():
     pool.reset_prefix_cache()
     assert pool.events.take() == [{"type": "BlockRemoved", "block_hashes": [low64(b)], "medium": "GPU",
                                    "group_idx": 0}]
+
+
+def test_a_full_queue_drops_the_batch_instead_of_waiting():
+    publisher = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", max_queue_size=1))
+    sending = threading.Event()
+
+    def slow(events):  # a socket that does not drain: the thread sits in one send
+        sending.set()
+        time.sleep(1.0)
+    publisher._send = slow
+    try:
+        publisher.publish([{"type": "AllBlocksCleared"}])   # taken by the thread, which is now stuck
+        assert sending.wait(2)
+        started = time.perf_counter()
+        publisher.publish([{"type": "AllBlocksCleared"}])   # fills the queue of 1
+        publisher.publish([{"type": "AllBlocksCleared"}])   # dropped, not waited for
+        assert time.perf_counter() - started < 0.1 and publisher.dropped == 1
+        publisher.publish([])                                # a step without events sends nothing
+        assert publisher.dropped == 1
+    finally:
+        publisher.shutdown()
 
 
 def test_a_failing_publisher_never_reaches_the_step(llm, sub, monkeypatch):
