@@ -178,9 +178,15 @@ class EngineArgs:
         1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
            "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
         aliases=("-tp",), metavar="N")
+    data_parallel_size: int = option(
+        1, "The server runs N engine processes, each with the whole model, behind its one HTTP port, and sends each "
+           "request to the least loaded. On CPU each engine gets its own cores (--cpu-threads is per engine; "
+           "default: the cores split evenly). Not with --tensor-parallel-size > 1 or custom guided-decoding "
+           "backends; LLM() runs one engine. See docs/distributed.md.", group=MODEL, parse=positive_int,
+        aliases=("-dp",), metavar="N")
     cpu_threads: int | None = option(None, "Threads for CPU math. Default: every core this process may use (split "
-                                           "between tensor-parallel ranks).", group=MODEL, parse=positive_int,
-                                     metavar="N")
+                                           "between tensor-parallel ranks, or data-parallel engines).", group=MODEL,
+                                     parse=positive_int, metavar="N")
     deterministic: bool = option(
         False, "Batch-invariant inference: a request's tokens and logprobs are the same bit for bit whatever it is "
                "batched with (neighbours, prefix cache hits, prompt chunks, preemption, n, speculation), on the same "

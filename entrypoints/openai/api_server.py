@@ -31,6 +31,7 @@ from fastapi import FastAPI
 from fastdeploy_lp.executor.tensor_parallel import TensorParallelError
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
+from fastdeploy_lp.engine.data_parallel import DataParallelEngineClient, DataParallelError
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.llm import build_engine
 from fastdeploy_lp.engine.protocol import EngineClient
@@ -73,8 +74,9 @@ class ServerSettings:
     responses_store_bytes: int  # and the memory they may hold
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app serving `engine`; the engine thread runs for the app's lifespan.
+def build_app(engine: LLMEngine | EngineClient, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine` (an `LLMEngine`, run by an `AsyncLLMEngine`, or a client
+    already built: `DataParallelEngineClient`); the engine thread runs for the app's lifespan.
 
     `app.state` holds what the routers (`routers/`) read: `settings`, `request_limits` (the
     flags' limits and the engine's context length), `async_engine`, `metrics`, the `chat` and
@@ -86,8 +88,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     state = app.state
     state.settings, state.draining, state.started = settings, False, int(time.time())
     state.request_limits = dataclasses.replace(settings.limits, max_model_len=engine.fd_config.max_model_len)
-    state.async_engine = AsyncLLMEngine(engine, max_waiting_requests=settings.max_waiting_requests,
-                                        stall_timeout_s=settings.engine_stall_timeout_s)
+    state.async_engine = engine if not isinstance(engine, LLMEngine) else AsyncLLMEngine(
+        engine, max_waiting_requests=settings.max_waiting_requests, stall_timeout_s=settings.engine_stall_timeout_s)
     state.metrics = ServerMetrics(state.async_engine, settings.served_model_names[0])
     state.async_engine.observer = state.metrics.observe
     # "unknown": what sglang-router writes into a request that names no model (one model is served)
@@ -217,12 +219,15 @@ def run_server(namespace: argparse.Namespace) -> int:
         return 2
     try:
         settings = settings_from_args(args, engine_args)
-        engine = build_engine(engine_args)
-    except (ValueError, OSError, ImportError, TensorParallelError) as e:  # bad processor name, missing model,
-        # bad flag value, a tensor-parallel worker that died while starting
+        engine = build_engine(engine_args) if engine_args.data_parallel_size == 1 else DataParallelEngineClient(
+            engine_args, max_waiting_requests=settings.max_waiting_requests,
+            stall_timeout_s=settings.engine_stall_timeout_s, log_level=args.log_level)
+    except (ValueError, OSError, ImportError, TensorParallelError, DataParallelError) as e:  # bad processor name,
+        # missing model, bad flag value, a tensor-parallel worker or data-parallel engine that died while starting
         print(f"fastdeploy-lp: cannot start: {e}{missing_model_hint(engine_args.model)}", file=sys.stderr)
         return 2
     app = build_app(engine, settings)
+    runner = engine.runner if isinstance(engine, LLMEngine) else engine  # on_failure, close
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -231,16 +236,16 @@ def run_server(namespace: argparse.Namespace) -> int:
             metrics_server = start_http_server(args.metrics_port, addr=args.host, registry=app.state.metrics.registry)
         except OSError as e:
             print(f"fastdeploy-lp: cannot start: --metrics-port {args.metrics_port}: {e}", file=sys.stderr)
-            engine.runner.close()
+            runner.close()
             return 2
     server = GracefulServer(uvicorn_config(app, args), app)
-    engine.runner.on_failure(server.stop_fatally)
+    runner.on_failure(server.stop_fatally)
     try:
         server.run()
     finally:
         if isinstance(metrics_server, tuple):
             metrics_server[0].shutdown()
-        engine.runner.close()  # the tensor-parallel workers, if any
+        runner.close()  # the tensor-parallel workers or data-parallel engines, if any
     return 0 if server.started and server.fatal is None else 1
 
 

@@ -74,6 +74,7 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # what stopped the engine thread, if anything
+        self.num_requests = 0  # admitted since start
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -122,6 +123,11 @@ class AsyncLLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    def engine_loads(self) -> list[dict[str, Any]]:
+        return [{"engine": 0, "num_running_reqs": self.num_running, "num_waiting_reqs": self.num_waiting,
+                 "num_requests_total": self.num_requests, "serving": self.is_serving,
+                 "not_serving_reason": self.not_serving_reason()}]
 
     # -- what requests may use ------------------------------------------------------------------
     @property
@@ -179,6 +185,7 @@ class AsyncLLMEngine:
             self._unregister(child_ids)
             raise RuntimeError(f"engine returned ids {[r.request_id for r in requests]}, expected {child_ids}")
         self.engine.enqueue(requests)
+        self.num_requests += 1
         self._wakeup.set()
         return stream
 

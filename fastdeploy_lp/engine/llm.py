@@ -28,13 +28,24 @@ BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
 def build_engine(args: EngineArgs) -> LLMEngine:
     """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
 
-    Cheap checks come first (processor list, guided-decoding backend, reasoning parser, tool
-    functions), so a bad value fails before the checkpoint loads. Custom guided-decoding backends
-    are loaded here from their directory (or taken as given, a dict of `CustomBackend`s). Every
-    error is a `ValueError` (or `OSError` for a missing model) naming the argument.
+    Cheap checks come first (`build_context`), so a bad value fails before the checkpoint loads.
     `tensor_parallel_size` > 1 splits the model over that many processes (docs/distributed.md);
-    its checks also run before any weight loads.
+    its checks also run before any weight loads. One engine: `data_parallel_size` > 1 is the
+    server's (`engine/data_parallel.py` runs this in each engine process).
     """
+    if args.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size: {args.data_parallel_size} engines run behind the server "
+                         "(--data-parallel-size); LLM() and build_engine run one")
+    context = build_context(args)
+    return LLMEngine(context.config, context)
+
+
+def build_context(args: EngineArgs) -> EngineContext:
+    """The `FDConfig` and runtime objects of `args`, without the model's weights: the checks of the
+    processor list, guided-decoding backend, reasoning parser and tool functions, then the config
+    and tokenizer. Custom guided-decoding backends are loaded here from their directory (or taken
+    as given, a dict of `CustomBackend`s). Every error is a `ValueError` (or `OSError` for a missing
+    model) naming the argument."""
     if args.logits_processors is not None and not isinstance(args.logits_processors, (list, tuple)):
         raise ValueError("logits_processors: must be a list of processor names")
     custom = args.custom_guided_decoding_backends or {}
@@ -47,7 +58,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     get_reasoning_parser(args.reasoning_parser)  # an unknown name fails here, naming the choices
     tools = load_tool_functions(args.tool_functions)
     fd_config = args.create_engine_config()
-    return LLMEngine(fd_config, EngineContext.load(fd_config, tools, custom))
+    return EngineContext.load(fd_config, tools, custom)
 
 
 def _engine_args(args: tuple, kwargs: dict[str, Any]) -> EngineArgs:

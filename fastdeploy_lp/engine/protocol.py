@@ -2,8 +2,8 @@
 
 The server (`entrypoints/openai/`) holds an `EngineClient` and nothing deeper: it submits and
 aborts requests, reads the model's limits, tokenizer and processors, and reads the counters
-/health and /metrics serve. `AsyncLLMEngine` implements it over one in-process `LLMEngine`; a
-front end over several engines (data parallelism) would implement the same methods. vLLM's server
+/health and /metrics serve. `AsyncLLMEngine` implements it over one in-process `LLMEngine`,
+`DataParallelEngineClient` (`data_parallel.py`) over several engine processes. vLLM's server
 depends on its `EngineClient` (`vllm/engine/protocol.py`) the same way.
 """
 
@@ -129,3 +129,6 @@ class EngineClient(Protocol):
     def processor_timings(self) -> dict[str, Any]: ...
     def speculative_stats(self) -> dict[str, Any]: ...
     def kv_cache_stats(self) -> KVCacheStats: ...
+    def engine_loads(self) -> list[dict[str, Any]]:
+        """Per engine process (one, or `--data-parallel-size` of them): `engine`, `num_running_reqs`,
+        `num_waiting_reqs`, `num_requests_total` (admitted since start), `serving`, `not_serving_reason`."""

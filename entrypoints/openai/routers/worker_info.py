@@ -3,7 +3,8 @@ and `vllm-router` read when a worker registers and while they balance load):
 
     GET /get_model_info, /model_info     the model (its served name, path, architecture)
     GET /get_server_info, /server_info   the server's limits (slots, context, KV tokens)
-    GET /get_load                        the sequences running and waiting now
+    GET /get_load                        the sequences running and waiting now (and per engine
+                                         process: `engines`, several with --data-parallel-size)
 """
 
 from __future__ import annotations
@@ -47,4 +48,4 @@ async def server_info(request: Request):
 async def load(request: Request):
     engine = request.app.state.async_engine
     return {"num_reqs": engine.num_running + engine.num_waiting, "num_running_reqs": engine.num_running,
-            "num_waiting_reqs": engine.num_waiting}
+            "num_waiting_reqs": engine.num_waiting, "engines": engine.engine_loads()}

@@ -1,0 +1,195 @@
+"""`--data-parallel-size 2`: two engine processes behind one real server (`engine/data_parallel.py`).
+
+Each request goes to the least loaded engine, and what comes back is what one engine gives: greedy
+text, streams, 400s for bad constraints, logits processors' arguments. An engine that dies fails
+only its own requests; stopping the server leaves no engine process behind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.engine.data_parallel import engine_placements
+from server_harness import QWEN2, openai_client, serving, start_server
+
+PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "def main():"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serving("--data-parallel-size", "2", "--max-num-seqs", "4",
+                       "--logits-processors", "LogitBiasLogitsProcessor")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(QWEN2, logits_processors=["LogitBiasLogitsProcessor"], max_num_seqs=4)
+
+
+def engines(server) -> list[dict]:
+    return httpx.get(server.url("/get_load"), timeout=10).json()["engines"]
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_two_engine_processes_on_their_own_cores(server):
+    listed = engines(server)
+    assert [e["engine"] for e in listed] == [0, 1] and all(e["serving"] for e in listed)
+    assert {e["pid"] for e in listed} <= children(server.proc.pid)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # split evenly, each pinned to its share
+        share = len(cores) // 2
+        assert [e["cores"] for e in listed] == [cores[:share], cores[share:2 * share]]
+        assert [sorted(os.sched_getaffinity(e["pid"])) for e in listed] == [e["cores"] for e in listed]
+
+
+def test_concurrent_requests_reach_both_engines_and_match_one_engine(server, client, llm):
+    before = [e["num_requests_total"] for e in engines(server)]
+    refs = [o.outputs.text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                                 use_tqdm=False)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.completions.create(model="default", prompt=p, max_tokens=12,
+                                                                 temperature=0).choices[0].text, PROMPTS * 2))
+    assert outs == refs * 2
+    after = [e["num_requests_total"] for e in engines(server)]
+    routed = [a - b for a, b in zip(after, before)]
+    assert sum(routed) == 8 and min(routed) >= 2, routed
+
+
+def test_n_choices_stay_on_one_engine(server, client, llm):
+    before = [e["num_requests_total"] for e in engines(server)]
+    out = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=6, temperature=0, n=3)
+    after = [e["num_requests_total"] for e in engines(server)]
+    assert sorted(a - b for a, b in zip(after, before)) == [0, 1]
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs.text
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [ref] * 3
+
+
+def test_streaming_gives_the_same_text(client):
+    full = client.chat.completions.create(model="default", messages=CHAT, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model="default", messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
+
+
+def test_a_bad_schema_is_the_engines_400(server):
+    body = {"model": "default", "messages": CHAT, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object",
+                                                                        "properties": {"a": {"type": "frobnicate"}}}}}}
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "frobnicate" in r.json()["error"]["message"]
+    r = httpx.post(server.url("/v1/completions"), timeout=30,
+                   json={"model": "default", "prompt": "x", "max_tokens": 4, "logits_processors_args": {"nope": 1}})
+    assert r.status_code == 400, r.text
+
+
+def test_logits_processors_args_reach_the_engine(server, client, llm):
+    token = 300
+    out = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                    extra_body={"logits_processors_args": {"logit_bias": {str(token): 100.0}}})
+    assert out.choices[0].text == llm.tokenizer.decode([token] * 4)
+    listed = httpx.get(server.url("/v1/logits_processors"), timeout=10).json()["data"]  # the front end's objects
+    assert [p["name"] for p in listed] == ["GuidedDecodingLogitsProcessor", "LogitBiasLogitsProcessor"]
+
+
+def test_counters_sum_the_engines(server):
+    metrics = httpx.get(server.url("/metrics"), timeout=10).text
+    blocks = float(next(line.split()[-1] for line in metrics.splitlines()
+                        if line.startswith("fastdeploy_lp:kv_cache_blocks_total")))
+    info = httpx.get(server.url("/get_server_info"), timeout=10).json()
+    assert blocks > 0 and info["max_total_num_tokens"] == blocks * 16
+    assert httpx.get(server.url("/get_load"), timeout=10).json()["num_reqs"] == 0
+
+
+def test_an_engine_process_follows_its_server_when_that_is_killed(server):
+    """Last of the tests on the module's server: kills it."""
+    pids = [e["pid"] for e in engines(server)]
+    server.proc.kill()
+    server.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids):
+        assert time.monotonic() < deadline, "an engine process outlived its killed server"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_dead_engine_fails_only_its_requests_and_stopping_leaves_no_engine():
+    server = start_server("--data-parallel-size", "2", "--max-num-seqs", "2")
+    try:
+        listed = engines(server)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(httpx.post, server.url("/v1/completions"), json=LONG, timeout=60) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while not all(e["num_running_reqs"] == 1 for e in engines(server)):
+                assert time.monotonic() < deadline, engines(server)
+                time.sleep(0.05)
+            os.kill(listed[0]["pid"], signal.SIGKILL)
+            answers = sorted((f.result() for f in futures), key=lambda r: r.status_code)
+        assert [r.status_code for r in answers] == [200, 503], [r.text for r in answers]
+        assert answers[0].json()["usage"]["completion_tokens"] == 400
+        assert "data-parallel engine 0" in answers[1].json()["error"]["message"]
+        assert httpx.get(server.url("/health"), timeout=10).status_code == 200  # engine 1 serves on
+        r = httpx.post(server.url("/v1/completions"), json={**LONG, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+        dead, alive = engines(server)
+        assert not dead["serving"] and "killed by signal 9" in dead["not_serving_reason"] and alive["serving"]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert not any(os.path.exists(f"/proc/{e['pid']}") for e in listed)
+    finally:
+        server.stop()
+
+
+def test_what_cannot_work_is_refused_at_start():
+    with pytest.raises(ValueError, match="data_parallel_size: 3 engines on 2 CPU core"):
+        engine_placements(EngineArgs(data_parallel_size=3), "cpu", [0, 1])
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        engine_placements(EngineArgs(data_parallel_size=2, tensor_parallel_size=2), "cpu", [0, 1, 2, 3])
+    split = engine_placements(EngineArgs(data_parallel_size=2), "cpu", [0, 1, 2, 3, 4])
+    assert [(p.cores, p.args.cpu_threads, p.args.data_parallel_size) for p in split] == [([0, 1], 2, 1), ([2, 3], 2, 1)]
+    shared = engine_placements(EngineArgs(data_parallel_size=3, cpu_threads=1), "cpu", [0, 1])
+    assert [(p.cores, p.args.cpu_threads) for p in shared] == [(None, 1)] * 3
+    with pytest.raises(ValueError, match="data_parallel_size: 2 engines run behind the server"):
+        LLM(QWEN2, data_parallel_size=2)
+    cores = len(os.sched_getaffinity(0))
+    result = subprocess.run([sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", QWEN2,
+                             "--data-parallel-size", str(cores + 1), "--port", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"data_parallel_size: {cores + 1} engines on {cores} CPU core" in result.stderr
