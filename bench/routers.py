@@ -62,16 +62,21 @@ def start_replica(port: int, threads: int, cores: list[int] | None, args, extra:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec)
 
 
-def start_router(kind: str, policy: str, port: int, workers: list[str], kv_sources: list[str]) -> subprocess.Popen:
+def start_router(kind: str, policy: str, port: int, workers: list[str], kv_sources: list[tuple[str, str]],
+                 model_dir: str) -> subprocess.Popen:
     if kind == "sglang":
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", policy, "--prometheus-port", str(port + 1000), "--worker-urls", *workers]
     else:
         cmd = [str(BIN / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                "--prometheus-port", str(port + 1000), "--worker-urls", *workers]
-        for worker, source in zip(workers, kv_sources):
-            cmd += ["--kv-event-source", f"{worker}={source}"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for worker, (source, replay) in zip(workers, kv_sources):
+            cmd += ["--kv-event-source", f"{worker}={source}", "--kv-event-replay-source", f"{worker}={replay}"]
+        if kv_sources:  # the router hashes prompts into blocks as the replicas do: their block size
+            cmd += ["--kv-event-block-size", "16", "--kv-event-model", "default"]
+    # kv_aware tokenizes with the model's tokenizer.json
+    env = {**os.environ, "VLLM_ROUTER_TOKENIZER": model_dir}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def wait_ready(url: str, timeout: float = 180.0) -> None:
@@ -163,11 +168,11 @@ def run_config(name: str, args, prompts_cache: dict) -> dict | None:
             for i in range(2):
                 port = args.port + 1 + i
                 extra = []
-                if name == "vllm-kv":
+                if name == "vllm-kv":  # topic "": the one vllm-router's static event sources read
                     events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                              "endpoint": f"tcp://127.0.0.1:{port + 2000}", "topic": "kv-events"}
+                              "endpoint": f"tcp://*:{port + 2000}", "replay_endpoint": f"tcp://*:{port + 2100}"}
                     extra = ["--kv-events-config", json.dumps(events)]
-                    kv_sources.append(f"tcp://127.0.0.1:{port + 2000}")
+                    kv_sources.append((f"tcp://127.0.0.1:{port + 2000}", f"tcp://127.0.0.1:{port + 2100}"))
                 urls.append(f"http://127.0.0.1:{port}")
                 spawn(start_replica(port, 1, [cores[i % len(cores)]], args, extra))
         for url in urls:
@@ -175,7 +180,8 @@ def run_config(name: str, args, prompts_cache: dict) -> dict | None:
         front = urls[0]
         if router_kind is not None:
             front = f"http://127.0.0.1:{args.port + 10}"
-            spawn(start_router(router_kind, policy, args.port + 10, urls, kv_sources))
+            model_dir = args.model or str(ROOT / "fastdeploy_lp" / "default_model")
+            spawn(start_router(router_kind, policy, args.port + 10, urls, kv_sources, model_dir))
             wait_ready(f"{front}/v1/models")
             time.sleep(2)  # the router's first health round
         if "prompts" not in prompts_cache:
