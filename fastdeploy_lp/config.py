@@ -181,8 +181,8 @@ class EngineArgs:
     data_parallel_size: int = option(
         1, "The server runs N engine processes, each with the whole model, behind its one HTTP port, and sends each "
            "request to the least loaded. On CPU each engine gets its own cores (--cpu-threads is per engine; "
-           "default: the cores split evenly). Not with --tensor-parallel-size > 1 or custom guided-decoding "
-           "backends; LLM() runs one engine. See docs/distributed.md.", group=MODEL, parse=positive_int,
+           "default: the cores split evenly). Not with --tensor-parallel-size > 1, custom guided-decoding "
+           "backends or --kv-events-config; LLM() runs one engine. See docs/distributed.md.", group=MODEL, parse=positive_int,
         aliases=("-dp",), metavar="N")
     cpu_threads: int | None = option(None, "Threads for CPU math. Default: every core this process may use (split "
                                            "between tensor-parallel ranks, or data-parallel engines).", group=MODEL,

@@ -18,7 +18,7 @@ import pytest
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.config import EngineArgs
-from fastdeploy_lp.engine.data_parallel import engine_placements
+from fastdeploy_lp.engine.data_parallel import DataParallelEngineClient, engine_placements
 from server_harness import QWEN2, openai_client, serving, start_server
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "def main():"]
@@ -131,15 +131,12 @@ def test_counters_sum_the_engines(server):
     assert httpx.get(server.url("/get_load"), timeout=10).json()["num_reqs"] == 0
 
 
-def test_an_engine_process_follows_its_server_when_that_is_killed(server):
-    """Last of the tests on the module's server: kills it."""
+def test_stopping_the_server_stops_its_engines(server):
+    """Last of the tests on the module's server: stops it."""
     pids = [e["pid"] for e in engines(server)]
-    server.proc.kill()
-    server.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids):
-        assert time.monotonic() < deadline, "an engine process outlived its killed server"
-        time.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
 def _state(pid: int) -> str:
@@ -150,7 +147,7 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_a_dead_engine_fails_only_its_requests_and_stopping_leaves_no_engine():
+def test_a_dead_engine_fails_only_its_requests_and_the_others_follow_a_killed_server():
     server = start_server("--data-parallel-size", "2", "--max-num-seqs", "2")
     try:
         listed = engines(server)
@@ -170,9 +167,12 @@ def test_a_dead_engine_fails_only_its_requests_and_stopping_leaves_no_engine():
         assert r.status_code == 200
         dead, alive = engines(server)
         assert not dead["serving"] and "killed by signal 9" in dead["not_serving_reason"] and alive["serving"]
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(30) == 0
-        assert not any(os.path.exists(f"/proc/{e['pid']}") for e in listed)
+        server.proc.kill()  # no shutdown: the engine left notices by itself
+        server.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{alive['pid']}") and _state(alive["pid"]) != "Z":
+            assert time.monotonic() < deadline, "an engine process outlived its killed server"
+            time.sleep(0.1)
     finally:
         server.stop()
 
@@ -188,6 +188,9 @@ def test_what_cannot_work_is_refused_at_start():
     assert [(p.cores, p.args.cpu_threads) for p in shared] == [(None, 1)] * 3
     with pytest.raises(ValueError, match="data_parallel_size: 2 engines run behind the server"):
         LLM(QWEN2, data_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_events_config: not with data_parallel_size > 1"):
+        DataParallelEngineClient(EngineArgs(QWEN2, data_parallel_size=2, kv_events_config={
+            "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1"}))
     cores = len(os.sched_getaffinity(0))
     result = subprocess.run([sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", QWEN2,
                              "--data-parallel-size", str(cores + 1), "--port", "1"],
