@@ -162,7 +162,8 @@ def test_a_dead_engine_fails_only_its_requests_and_the_others_follow_a_killed_se
         assert [r.status_code for r in answers] == [200, 503], [r.text for r in answers]
         assert answers[0].json()["usage"]["completion_tokens"] == 400
         assert "data-parallel engine 0" in answers[1].json()["error"]["message"]
-        assert httpx.get(server.url("/health"), timeout=10).status_code == 200  # engine 1 serves on
+        health = httpx.get(server.url("/health"), timeout=10)  # engine 1 serves on, and it says why 0 does not
+        assert health.status_code == 200 and "engine 0" in health.json()["engines_not_serving"][0]
         r = httpx.post(server.url("/v1/completions"), json={**LONG, "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
         dead, alive = engines(server)

@@ -28,9 +28,11 @@ def require_serving(request: Request) -> None:
 
 
 @router.get("/health", responses={503: {"model": ErrorResponse}}, dependencies=[Depends(require_serving)])
-async def health():
-    """200 while the engine serves, 503 otherwise (starting, shutting down, or stopped by an error)."""
-    return {"status": "ok"}
+async def health(request: Request):
+    """200 while the engine serves, 503 otherwise (starting, shutting down, or stopped by an error).
+    With data parallelism, 200 while one engine serves; `engines_not_serving` says why the others do not."""
+    down = [e["not_serving_reason"] for e in request.app.state.async_engine.engine_loads() if not e["serving"]]
+    return {"status": "ok", "engines_not_serving": down} if down else {"status": "ok"}
 
 
 @router.get("/metrics", response_class=Response)
