@@ -23,7 +23,7 @@ from server_harness import QWEN2, openai_client, serving, start_server
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "def main():"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-LONG = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+LONG = {"prompt": "Count:", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,19 @@ def test_logits_processors_args_reach_the_engine(server, client, llm):
     assert [p["name"] for p in listed] == ["GuidedDecodingLogitsProcessor", "LogitBiasLogitsProcessor"]
 
 
+def test_a_client_that_leaves_frees_its_engine(server):
+    aborted = ("fastdeploy_lp:request_finished_total", 'finish_reason="abort"')
+    before = server.metric(*aborted)
+    with httpx.stream("POST", server.url("/v1/completions"), json={**LONG, "stream": True}, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 20  # aborted in its engine, and counted out in the front end
+    while httpx.get(server.url("/get_load"), timeout=10).json()["num_reqs"] != 0:
+        assert time.monotonic() < deadline, engines(server)
+        time.sleep(0.05)
+    assert server.metric(*aborted) == before + 1
+
+
 def test_counters_sum_the_engines(server):
     metrics = httpx.get(server.url("/metrics"), timeout=10).text
     blocks = float(next(line.split()[-1] for line in metrics.splitlines()
@@ -148,7 +161,7 @@ def _state(pid: int) -> str:
 
 
 def test_a_dead_engine_fails_only_its_requests_and_the_others_follow_a_killed_server():
-    server = start_server("--data-parallel-size", "2", "--max-num-seqs", "2")
+    server = start_server("--data-parallel-size", "2", "--max-num-seqs", "1", "--max-waiting-requests", "0")
     try:
         listed = engines(server)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -157,10 +170,12 @@ def test_a_dead_engine_fails_only_its_requests_and_the_others_follow_a_killed_se
             while not all(e["num_running_reqs"] == 1 for e in engines(server)):
                 assert time.monotonic() < deadline, engines(server)
                 time.sleep(0.05)
+            full = httpx.post(server.url("/v1/completions"), json={**LONG, "max_tokens": 4}, timeout=30)
+            assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full", full.text  # an engine's
             os.kill(listed[0]["pid"], signal.SIGKILL)
             answers = sorted((f.result() for f in futures), key=lambda r: r.status_code)
         assert [r.status_code for r in answers] == [200, 503], [r.text for r in answers]
-        assert answers[0].json()["usage"]["completion_tokens"] == 400
+        assert answers[0].json()["usage"]["completion_tokens"] == 480
         assert "data-parallel engine 0" in answers[1].json()["error"]["message"]
         health = httpx.get(server.url("/health"), timeout=10)  # engine 1 serves on, and it says why 0 does not
         assert health.status_code == 200 and "engine 0" in health.json()["engines_not_serving"][0]
