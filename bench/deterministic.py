@@ -4,6 +4,7 @@ must give the same tokens and logprobs bit for bit with `deterministic=True`; an
     python bench/deterministic.py --mixes 500                 # the random mixes, flag on and off: table + JSON
     python bench/deterministic.py --mixes 0 --speed           # decode tok/s and TTFT, flag off and on, batch 1/8/32
     python bench/deterministic.py --mixes 0 --speed --model bench/models/qwen2.5-0.5b-random --batch-sizes 1 8
+    python bench/deterministic.py --mixes 10 --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf   # a real checkpoint
 
 Each mix draws an engine configuration (chunk size `max_num_batched_tokens`, prefix caching on or
 off, a KV pool small enough to force preemption or not, n-gram speculation on or off) and 1 to 7
@@ -12,7 +13,7 @@ penalty, a logit bias), some sharing the probe's prompt so its blocks are prefix
 (greedy, or seeded at temperature 0.8, with `logprobs`, sometimes with n=2) goes in at a random
 place. Its tokens and logprobs (the chosen token's and the top ones') are compared with `==`
 against the probe run alone on a fresh engine. Engines are kept per configuration, so later mixes
-on one also meet the prefix cache its earlier mixes filled. Built-in model.
+on one also meet the prefix cache its earlier mixes filled. Built-in model unless `--model`.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed", action="store_true", help="also decode tok/s with the flag off and on")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--model", default=None, help="for --speed (default: the built-in model)")
+    parser.add_argument("--model", default=None, help="a checkpoint or GGUF file (default: the built-in model)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -182,7 +183,7 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|---:|")
         for flag in (False, True):
             start = time.perf_counter()
-            rows = run_mixes(flag, args.mixes, args.seed)
+            rows = run_mixes(flag, args.mixes, args.seed, **({"model": args.model} if args.model else {}))
             took = time.perf_counter() - start
             ok = sum(r["matched"] for r in rows)
             print(f"| {'on' if flag else 'off'} | {len(rows)} | {ok} | {len(rows) - ok} | "
