@@ -7,29 +7,50 @@ only its own requests; stopping the server leaves no engine process behind."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import socket
 import signal
 import subprocess
 import sys
 import time
 
 import httpx
+import msgpack
 import pytest
+import zmq
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.config import EngineArgs
-from fastdeploy_lp.engine.data_parallel import DataParallelEngineClient, engine_placements
-from server_harness import QWEN2, openai_client, serving, start_server
+from fastdeploy_lp.engine.data_parallel import engine_placements
+from server_harness import QWEN2, free_port, openai_client, serving, start_server
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "def main():"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = {"prompt": "Count:", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
 
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too: engine r publishes KV events on P + r."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+EVENTS_PORT = _two_free_ports()
+
+
 @pytest.fixture(scope="module")
 def server():
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{EVENTS_PORT}"}  # "*": the publisher binds
     yield from serving("--data-parallel-size", "2", "--max-num-seqs", "4",
-                       "--logits-processors", "LogitBiasLogitsProcessor")
+                       "--logits-processors", "LogitBiasLogitsProcessor", "--kv-events-config", json.dumps(events))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +165,30 @@ def test_counters_sum_the_engines(server):
     assert httpx.get(server.url("/get_load"), timeout=10).json()["num_reqs"] == 0
 
 
+def test_each_engine_publishes_its_kv_events_on_its_own_port_with_its_rank(server, client):
+    ctx = zmq.Context()
+    subs = []
+    for rank in range(2):
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(f"tcp://127.0.0.1:{EVENTS_PORT + rank}")
+        subs.append(sock)
+    time.sleep(0.5)  # PUB/SUB: the subscriptions reach the publishers asynchronously
+    try:
+        prompts = [f"Story {i}: " + "once upon a time " * 12 for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # concurrent: both engines get some
+            list(pool.map(lambda p: client.completions.create(model="default", prompt=p, max_tokens=2), prompts))
+        for rank, sock in enumerate(subs):
+            ranks = set()
+            while sock.poll(2000):
+                ranks.add(msgpack.unpackb(sock.recv_multipart()[2])[2])
+            assert ranks == {rank}, f"engine {rank}'s port carried batches of ranks {ranks}"
+    finally:
+        for sock in subs:
+            sock.close(linger=0)
+        ctx.term()
+
+
 def test_stopping_the_server_stops_its_engines(server):
     """Last of the tests on the module's server: stops it."""
     pids = [e["pid"] for e in engines(server)]
@@ -204,9 +249,6 @@ def test_what_cannot_work_is_refused_at_start():
     assert [(p.cores, p.args.cpu_threads) for p in shared] == [(None, 1)] * 3
     with pytest.raises(ValueError, match="data_parallel_size: 2 engines run behind the server"):
         LLM(QWEN2, data_parallel_size=2)
-    with pytest.raises(ValueError, match="kv_events_config: not with data_parallel_size > 1"):
-        DataParallelEngineClient(EngineArgs(QWEN2, data_parallel_size=2, kv_events_config={
-            "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1"}))
     cores = len(os.sched_getaffinity(0))
     result = subprocess.run([sys.executable, "-m", "fastdeploy_lp.entrypoints.openai.api_server", "--model", QWEN2,
                              "--data-parallel-size", str(cores + 1), "--port", "1"],

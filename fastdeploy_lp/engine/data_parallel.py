@@ -223,9 +223,6 @@ class DataParallelEngineClient:
                  stall_timeout_s: float | None = None, log_level: str | None = None):
         context = build_context(args)
         self.fd_config, self.tokenizer = context.config, context.tokenizer
-        if self.fd_config.kv_events_config is not None:
-            raise ValueError("kv_events_config: not with data_parallel_size > 1 yet: every engine would publish on "
-                             "the same endpoint as data-parallel rank 0")
         placements = engine_placements(args, self.fd_config.device, sorted(os.sched_getaffinity(0)))
         options = {"max_waiting_requests": max_waiting_requests, "stall_timeout_s": stall_timeout_s,
                    "parent_pid": os.getpid(),

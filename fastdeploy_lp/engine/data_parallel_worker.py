@@ -107,7 +107,7 @@ def run_engine_process(rank: int, args: EngineArgs, conn: Connection, cores: lis
     from fastdeploy_lp.engine.llm import build_engine  # here: llm.py imports tqdm and the offline API
 
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, data_parallel_rank=rank)
     except BaseException as e:  # noqa: BLE001 -- any failure is the front end's start-up error
         conn.send(("failed", portable(e)))
         os._exit(1)

@@ -76,9 +76,11 @@ def build_runner(fd_config: FDConfig) -> ModelRunner | TensorParallelRunner:
 
 class LLMEngine:
     """`context` holds the runtime objects beside `fd_config` (tokenizer, tool functions, custom
-    backends); without one, the checkpoint's tokenizer and no tools or backends."""
+    backends); without one, the checkpoint's tokenizer and no tools or backends.
+    `data_parallel_rank`: this engine's place among the server's data-parallel engines (its KV
+    events go to the configured port + rank and carry the rank, as vLLM's do)."""
 
-    def __init__(self, fd_config: FDConfig, context: EngineContext | None = None):
+    def __init__(self, fd_config: FDConfig, context: EngineContext | None = None, *, data_parallel_rank: int = 0):
         if context is not None and context.config is not fd_config:
             raise ValueError("context: must be the EngineContext of this fd_config")
         self.fd_config = fd_config
@@ -91,7 +93,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.kv_events = None  # the KV-cache event publisher (--kv-events-config), engine/kv_events.py
         if fd_config.kv_events_config is not None:  # before the weights load: a bad endpoint fails fast
-            self.kv_events = KVEventPublisher(fd_config.kv_events_config)
+            self.kv_events = KVEventPublisher(fd_config.kv_events_config, data_parallel_rank)
             weakref.finalize(self, self.kv_events.shutdown)
         self.runner = build_runner(fd_config)
         cache = fd_config.cache_config

@@ -25,7 +25,7 @@ Prompt = str | list[int]
 BUILTIN_GUIDED_DECODING_BACKENDS = ("llguidance", "off")
 
 
-def build_engine(args: EngineArgs) -> LLMEngine:
+def build_engine(args: EngineArgs, *, data_parallel_rank: int = 0) -> LLMEngine:
     """The one place an engine is built: the server (from its flags) and `LLM()` (from its arguments).
 
     Cheap checks come first (`build_context`), so a bad value fails before the checkpoint loads.
@@ -37,7 +37,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         raise ValueError(f"data_parallel_size: {args.data_parallel_size} engines run behind the server "
                          "(--data-parallel-size); LLM() and build_engine run one")
     context = build_context(args)
-    return LLMEngine(context.config, context)
+    return LLMEngine(context.config, context, data_parallel_rank=data_parallel_rank)
 
 
 def build_context(args: EngineArgs) -> EngineContext:
