@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import socket
 import signal
 import subprocess
@@ -154,6 +155,16 @@ def test_a_client_that_leaves_frees_its_engine(server):
         assert time.monotonic() < deadline, engines(server)
         time.sleep(0.05)
     assert server.metric(*aborted) == before + 1
+
+
+def test_metrics_give_each_engines_load(server):
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    for rank in ("0", "1"):
+        assert f'fastdeploy_lp:engine_serving{{engine="{rank}"}} 1.0' in text
+        assert re.search(rf'fastdeploy_lp:engine_requests_total{{engine="{rank}"}} [1-9]', text), text
+    given = sum(e["num_requests_total"] for e in engines(server))
+    assert given == sum(float(v) for v in re.findall(r'^fastdeploy_lp:engine_requests_total{engine="\d"} (\S+)$',
+                                                      text, re.M))
 
 
 def test_counters_sum_the_engines(server):

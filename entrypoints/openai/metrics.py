@@ -26,6 +26,10 @@
 | fastdeploy_lp:spec_decode_backoffs_total{method}        | counter | pauses requests took because their drafts did not pay |
 | fastdeploy_lp:spec_decode_paused_steps_total{method}    | counter | request-steps spent in those pauses       |
 | fastdeploy_lp:spec_decode_forced_tokens_total{method}   | counter | tokens a grammar (any processor) forced at draft positions, appended by verify passes |
+| fastdeploy_lp:engine_num_requests_running{engine}  | gauge     | per engine (`--data-parallel-size`; one: "0") |
+| fastdeploy_lp:engine_num_requests_waiting{engine}  | gauge     | per engine                                  |
+| fastdeploy_lp:engine_requests_total{engine}        | counter   | requests each engine was given              |
+| fastdeploy_lp:engine_serving{engine}               | gauge     | 1 while the engine serves, 0 once it stopped |
 
 The gauges and counters that request routers and autoscalers read are also served under vLLM's
 names, with vLLM's `model_name` label (the served name), so a KEDA trigger, an HPA adapter or
@@ -84,6 +88,7 @@ class ServerMetrics:
         r.register(_KVCacheCollector(engine))
         r.register(_SpeculativeCollector(engine))
         r.register(_VLLMNamesCollector(engine, model_name))
+        r.register(_EngineLoadCollector(engine))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, out: RequestOutput, now: float, stream: RequestStream | None) -> None:
@@ -198,4 +203,25 @@ class _VLLMNamesCollector:
                 ("num_preemptions", "Requests preempted.", stats.preemptions, CounterMetricFamily)):
             metric = family("vllm:" + name, doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
+            yield metric
+
+
+class _EngineLoadCollector:
+    """Each engine's load (`EngineClient.engine_loads`), labelled by its rank."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def collect(self):
+        loads = self.engine.engine_loads()
+        for name, doc, key, family in (
+                ("engine_num_requests_running", "Sequences in this engine's slots.", "num_running_reqs",
+                 GaugeMetricFamily),
+                ("engine_num_requests_waiting", "Sequences waiting for this engine.", "num_waiting_reqs",
+                 GaugeMetricFamily),
+                ("engine_requests", "Requests given to this engine.", "num_requests_total", CounterMetricFamily),
+                ("engine_serving", "1 while this engine serves.", "serving", GaugeMetricFamily)):
+            metric = family(PREFIX + name, doc, labels=["engine"])
+            for load in loads:
+                metric.add_metric([str(load["engine"])], float(load[key]))
             yield metric
