@@ -2,8 +2,9 @@
 the test extras, each test skipped when its router is absent): what the routers ask the replicas
 is answered, requests that share a prefix go to one replica, SGLang's constraint fields survive
 sglang-router's rebuilt body and `logits_processors_args` survives vllm-router's forwarded one,
-and a replica that drains (SIGTERM) or dies loses no request: the router stops sending to it and
-takes it back when it returns on the same port."""
+and a replica that drains (SIGTERM) loses no request: the router stops sending to it and takes it
+back when it returns on the same port; one killed outright (SIGKILL) loses no non-streaming request
+either (the router retries it on the other replica)."""
 
 from __future__ import annotations
 
@@ -130,5 +131,12 @@ def test_a_draining_or_dead_replica_loses_no_request_and_comes_back(replicas):
             router.complete("Are you back?")
             time.sleep(0.5)
         assert finished(back) > 0, "the router did not take the replica back"
+        with ThreadPoolExecutor(8) as pool:  # now killed outright: plain requests are retried elsewhere
+            running = [pool.submit(router.complete, f"Count to {i}:", max_tokens=64, ignore_eos=True)
+                       for i in range(6)]
+            time.sleep(1.0)
+            back.proc.kill()
+            answers = [f.result(timeout=180) for f in running]
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
     finally:
         router.stop()
