@@ -10,7 +10,8 @@ Each mix draws an engine configuration (chunk size `max_num_batched_tokens`, pre
 off, a KV pool small enough to force preemption or not, n-gram speculation on or off) and 1 to 7
 neighbours of random lengths and sampling options (greedy or seeded, top-k / top-p, a repetition
 penalty, a logit bias), some sharing the probe's prompt so its blocks are prefix hits; the probe
-(greedy, or seeded at temperature 0.8, with `logprobs`, sometimes with n=2) goes in at a random
+(greedy, seeded at temperature 0.8, or greedy under a JSON schema, with `logprobs`, sometimes with
+n=2; neighbours also use the built-in processors and regex constraints) goes in at a random
 place. Its tokens and logprobs (the chosen token's and the top ones') are compared with `==`
 against the probe run alone on a fresh engine. Engines are kept per configuration, so later mixes
 on one also meet the prefix cache its earlier mixes filled. Built-in model unless `--model`.
@@ -26,11 +27,17 @@ import subprocess
 import time
 
 from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp.sampling_params import GuidedDecodingParams
 
 PROBE_LEN, PROBE_OUT = 45, 24
 CHUNKS = (16, 48, 200, None)       # max_num_batched_tokens (None: the default budget)
 SMALL_POOL = 14                    # blocks of 16 tokens: 8 slots of long neighbours do not fit, so some are preempted
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# every built-in processor that needs no model-specific setup; guided decoding is on by default
+PROCESSORS = ["LogitBiasLogitsProcessor", "AllowedTokenIdsLogitsProcessor", "NoRepeatNGramLogitsProcessor",
+              "BadWordsLogitsProcessor"]
+PROBE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                "required": ["name", "n"]}
 
 
 def probe_prompt(vocab: int) -> list[int]:
@@ -41,6 +48,9 @@ def probe_prompt(vocab: int) -> list[int]:
 def probe_params(kind: str, n: int = 1) -> SamplingParams:
     if kind == "greedy":
         return SamplingParams(temperature=0, max_tokens=PROBE_OUT, logprobs=3, ignore_eos=True, n=n)
+    if kind == "guided":  # greedy under a JSON schema: the grammar's mask is in the logprobs too
+        return SamplingParams(temperature=0, max_tokens=PROBE_OUT, logprobs=3, n=n,
+                              guided_decoding=GuidedDecodingParams(json=PROBE_SCHEMA))
     return SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=PROBE_OUT, logprobs=3,
                           ignore_eos=True, n=n)
 
@@ -63,7 +73,7 @@ class Mixes:
         key = (chunk, prefix, small, spec)
         if key not in self.engines:
             self.engines[key] = LLM(device="cpu", max_num_seqs=8, max_model_len=256, deterministic=self.deterministic,
-                                    **self.engine_args, max_num_batched_tokens=chunk, enable_prefix_caching=prefix,
+                                    logits_processors=PROCESSORS, **self.engine_args, max_num_batched_tokens=chunk, enable_prefix_caching=prefix,
                                     num_blocks=SMALL_POOL if small else None,
                                     speculative_config=NGRAM if spec else None)
         return self.engines[key]
@@ -72,7 +82,7 @@ class Mixes:
         """The probe by itself on a fresh engine of the default configuration (built once)."""
         if kind not in self.reference:
             llm = LLM(device="cpu", max_num_seqs=8, max_model_len=256, deterministic=self.deterministic,
-                      **self.engine_args)
+                      logits_processors=PROCESSORS, **self.engine_args)
             prompt = probe_prompt(llm.engine.fd_config.model_config.vocab_size)
             self.reference[kind] = result(llm.generate([prompt], probe_params(kind), use_tqdm=False)[0].outputs)
         return self.reference[kind]
@@ -85,7 +95,7 @@ class Mixes:
         llm = self.engine(**config)
         vocab = llm.engine.fd_config.model_config.vocab_size
         probe = probe_prompt(vocab)
-        kind, n = rng.choice(("greedy", "seeded")), rng.choice((1, 1, 2))
+        kind, n = rng.choice(("greedy", "seeded", "guided")), rng.choice((1, 1, 2))
         prompts, params = [], []
         for _ in range(rng.randint(1, 7)):
             length = rng.randint(1, 120)
@@ -97,6 +107,7 @@ class Mixes:
                 extra["logit_bias"] = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
             if rng.random() < 0.3:
                 extra["repetition_penalty"] = 1.2
+            extra.update(_neighbour_processors(rng, vocab))
             greedy = rng.random() < 0.5
             params.append(SamplingParams(temperature=0 if greedy else rng.uniform(0.5, 1.2),
                                          top_k=0 if greedy else rng.choice((0, 20)),
@@ -112,10 +123,26 @@ class Mixes:
         outs = llm.generate(prompts, params, use_tqdm=False)
         first = sum(p.n for p in params[:at])  # generate returns one output per choice, in order
         want = self.alone(kind)
-        matched = [result(outs[first + i].outputs) == want for i in range(n)] if kind == "greedy" else \
+        matched = [result(outs[first + i].outputs) == want for i in range(n)] if kind != "seeded" else \
             [result(outs[first].outputs) == want]  # choice 0 has the probe's seed; choice 1 has seed + 1
         return {"seed": seed, **config, "probe": kind, "n": n, "neighbours": len(prompts) - 1, "at": at,
                 "preemptions": llm.engine.scheduler.num_preemptions - before, "matched": all(matched)}
+
+
+def _neighbour_processors(rng: random.Random, vocab: int) -> dict:
+    """Some of the built-in processors' arguments, or an output constraint, for one neighbour."""
+    args, extra = {}, {}
+    if rng.random() < 0.2:
+        args["allowed_token_ids"] = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 50))]
+    if rng.random() < 0.2:
+        args["no_repeat_ngram_size"] = rng.randint(1, 3)
+    if rng.random() < 0.2:
+        args["bad_words_token_ids"] = [[rng.randrange(3, vocab)] for _ in range(5)]
+    if args:
+        extra["logits_processors_args"] = args
+    elif rng.random() < 0.25:
+        extra["guided_decoding"] = GuidedDecodingParams(regex=rng.choice(("[a-z ]+", "[0-9]{1,8}", "(yes|no)")))
+    return extra
 
 
 def run_mixes(deterministic: bool, mixes: int, seed: int = 0, **engine_args) -> list[dict]:

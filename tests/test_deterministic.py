@@ -35,7 +35,7 @@ def test_the_probe_is_bit_identical_in_every_mix():
     assert _mismatched(rows) == []
     # the mixes did reach what they are meant to: preemption, speculation, n=2, both probes
     assert any(r["preemptions"] for r in rows) and any(r["spec"] for r in rows) and any(r["n"] == 2 for r in rows)
-    assert {r["probe"] for r in rows} == {"greedy", "seeded"} and len({r["chunk"] for r in rows}) > 1
+    assert {r["probe"] for r in rows} == {"greedy", "seeded", "guided"} and len({r["chunk"] for r in rows}) > 1
 
 
 @pytest.mark.parametrize("weights", [dict(dtype="bfloat16"), dict(quantization="wint8"), dict(quantization="wint4")])
