@@ -201,13 +201,18 @@ class GracefulServer(uvicorn.Server):
         await asyncio.sleep(0.1)  # let the handlers write those last answers
 
 
+# uvicorn's own graceful wait, which starts after GracefulServer's drain (--shutdown-timeout) has
+# ended every request: only the last answers are still being written, so it is short and no flag.
+CLOSE_CONNECTIONS_S = 5
+
+
 def uvicorn_config(app: FastAPI, args: ServerArgs) -> uvicorn.Config:
     """uvicorn with bounded connections: the cap, the request-read and keep-alive timeouts."""
     max_connections, backlog = fit_to_open_file_limit(args.limit_concurrency)
     limits = ConnectionLimits(max_connections=max_connections, read_timeout_s=args.request_read_timeout)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, backlog=backlog,
                           http=bounded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=CLOSE_CONNECTIONS_S)
 
 
 def run_server(namespace: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ import uuid
 from typing import Any, Callable
 
 from fastdeploy_lp.engine.engine import LLMEngine
-from fastdeploy_lp.engine.protocol import EngineNotServingError, KVCacheStats, QueueFullError, RequestStream
+from fastdeploy_lp.engine.protocol import (SHUTDOWN_WAIT_S, EngineNotServingError, KVCacheStats, QueueFullError,
+                                           RequestStream)
 from fastdeploy_lp.engine.request import Request, RequestOutput
 from fastdeploy_lp.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ class AsyncLLMEngine:
         if self.stall_timeout_s is not None:
             threading.Thread(target=self._watch, name="fastdeploy-lp-engine-watchdog", daemon=True).start()
 
-    def shutdown(self, timeout: float = 10.0, reason: str = "the engine has shut down") -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_WAIT_S, reason: str = "the engine has shut down") -> None:
         """Stop the engine thread after its current step; pending streams get `EngineNotServingError`."""
         self._stop.set()
         self._wakeup.set()

@@ -38,7 +38,7 @@ from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.data_parallel_worker import OutputDecoder, run_engine_process
 from fastdeploy_lp.engine.engine import leading_processors
 from fastdeploy_lp.engine.llm import build_context
-from fastdeploy_lp.engine.protocol import EngineNotServingError, KVCacheStats, RequestStream
+from fastdeploy_lp.engine.protocol import SHUTDOWN_WAIT_S, EngineNotServingError, KVCacheStats, RequestStream
 from fastdeploy_lp.engine.request import RequestOutput
 from fastdeploy_lp.engine.speculation import SpeculativeStats
 from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
@@ -253,7 +253,7 @@ class DataParallelEngineClient:
         for engine in self.engines:
             threading.Thread(target=self._read, args=(engine,), name=f"dp-engine-{engine.rank}", daemon=True).start()
 
-    def shutdown(self, timeout: float = 10.0, reason: str = "the engine has shut down") -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_WAIT_S, reason: str = "the engine has shut down") -> None:
         """Stop every engine process (none outlives this); pending streams get `EngineNotServingError`."""
         if self._stopped is None:
             self._stopped = reason

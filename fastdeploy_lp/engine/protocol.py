@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from fastdeploy_lp.tokenizer import Tokenizer
 
 
+# How long `shutdown` waits for a step in progress to end before it fails the requests anyway (a
+# 2,048-token prefill chunk of a 7B model takes minutes on 2 cores: the process may not wait that long).
+SHUTDOWN_WAIT_S = 10.0
+
+
 class EngineNotServingError(RuntimeError):
     """The engine thread is not running (not started yet, shut down, or stopped by an error)."""
 
@@ -97,7 +102,7 @@ class EngineClient(Protocol):
 
     # -- life cycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None: ...
-    def shutdown(self, timeout: float = ..., reason: str = ...) -> None: ...
+    def shutdown(self, timeout: float = SHUTDOWN_WAIT_S, reason: str = ...) -> None: ...
 
     @property
     def is_serving(self) -> bool: ...
