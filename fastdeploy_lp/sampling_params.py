@@ -18,6 +18,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 100.0
 INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20  # alternatives per token, for logprobs and prompt_logprobs (the server's limit too)
 
 
 _JSON_OPTIONS = ("whitespace_pattern", "disable_additional_properties", "close_on_length", "max_number_digits")
@@ -79,7 +80,9 @@ class SamplingParams:
 
     `temperature=0` (or below 1e-5) is greedy. `seed` makes sampling reproducible for this request whatever else
     shares the batch. `logits_processors_args` is the JSON object the registered logits processors
-    read (e.g. `{"logit_bias": {"128": 5.0}}`).
+    read (e.g. `{"logit_bias": {"128": 5.0}}`). `prompt_logprobs=k` (vLLM's): the output's
+    `prompt_logprobs` holds None for the first prompt token, then for each next one its logprob given
+    the tokens before it, its rank and the `k` most likely alternatives (engine/prompt_logprobs.py).
     """
 
     n: int = 1
@@ -98,6 +101,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (after the first) and k alternatives
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
@@ -137,8 +141,10 @@ class SamplingParams:
         # The n choices use seed, seed + 1, ...: all of them must be valid generator seeds.
         _check(self.seed is None or (_integer(self.seed) and 0 <= self.seed <= MAX_SEED - self.n), "seed",
                f"must be an integer in 0..{MAX_SEED - self.n}", self.seed)
-        _check(self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-               "must be an integer in 0..20", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be an integer in 0..{MAX_LOGPROBS}", value)
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean",
                self.skip_special_tokens)
         _check(self.logits_processors_args is None or isinstance(self.logits_processors_args, dict),

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from fastdeploy_lp.entrypoints.openai.protocol_constraints import (JsonSchemaSpec, NvExt, ResponseFormat,
                                                                    StructuredOutputs, constraint_sources,
                                                                    request_constraint, whitespace_rule)
-from fastdeploy_lp.sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy_lp.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, SamplingParams
 
 _REQUEST = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 _NESTED = ConfigDict(extra="allow", strict=True, populate_by_name=True)
@@ -153,11 +153,16 @@ class _SamplingRequest(BaseModel):
     # SGLang's fields, which SGLang's and vLLM's routers add to every request they forward
     no_stop_trim: bool | None = Field(None, description="SGLang's name for include_stop_str_in_output.")
     return_hidden_states: bool | None = Field(None, description="Only false: hidden states are not returned.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob after the first, its rank and "
+                                                 "this many alternatives, as `prompt_logprobs` (not with stream).")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream true (as in vLLM)")
         if self.return_hidden_states:
             raise ValueError("return_hidden_states: not supported by this server (only false)")
         return self
@@ -190,7 +195,8 @@ class _SamplingRequest(BaseModel):
         return request_constraint(self, tool_constraint)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any], guided: GuidedDecodingParams | None) -> SamplingParams:
+                        defaults: dict[str, Any], guided: GuidedDecodingParams | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this request; `defaults` are the model's generation_config values."""
 
         def pick(name, fallback):
@@ -204,6 +210,7 @@ class _SamplingRequest(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens or 0, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output or self.no_stop_trim), seed=self.seed, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             logit_bias=self.logit_bias or None,  # validated by SamplingParams (and its check_vocab at admission)
             bad_words=self.bad_words, logits_processors_args=self.logits_processors_args, guided_decoding=guided)
@@ -232,7 +239,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate "
                                                                       "(OpenAI's newer name for max_tokens).")
     logprobs: bool | None = Field(False, description="Return the log probability of each output token.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token (needs logprobs).")
     tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="'auto' (the default with tools): text or calls; 'required': one or more calls only; "
@@ -292,7 +299,10 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text, token ids, or a batch of either (one choice group per prompt).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Return this many alternatives per token.")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate; 0 only with echo (the "
+                                                         "prompt alone, e.g. to score it with logprobs).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return this many alternatives per token "
+                                                                          "(with echo, the prompt's tokens too).")
     echo: bool | None = Field(False, description="Prepend the prompt to the output.")
     suffix: str | None = Field(None, description="Not supported (400 when set).")
     best_of: int | None = Field(None, ge=1, description="Only best_of == n is supported.")
@@ -318,9 +328,16 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix: not supported by this server")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of: only best_of equal to n is supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: prompt log probabilities are not computed; use echo without logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo true (the answer is the prompt alone)")
         return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: `prompt_logprobs`, else with echo `logprobs` (vLLM's reading)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

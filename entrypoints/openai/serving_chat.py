@@ -183,8 +183,12 @@ class OpenAIServingChat(OpenAIServing):
             if o.closed_on_length:  # structured_outputs.close_on_length closed the JSON at max_tokens
                 choice["closed_on_length"] = True
             choices.append(choice)
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        first = finals[min(finals)] if finals else None
+        if first is not None and first.prompt_logprobs is not None:  # vLLM's field: the prompt is the choices'
+            response["prompt_logprobs"] = self.vllm_prompt_logprobs(first.prompt_logprobs)
+        return response
 
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self, request_id: str, run: ChatRun, include_usage: bool,

@@ -163,6 +163,48 @@ class OpenAIServing:
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
+    def echo_logprobs(self, prompt_ids: list[int], entries, generated: list[Logprob] | None,
+                      offset: int) -> dict[str, Any]:
+        """OpenAI's legacy `logprobs` of an echoed prompt (`entries`: its prompt logprobs, None
+        first), then of the `generated` tokens from text offset `offset`: `null` value and
+        alternatives for the first prompt token; each other's alternatives include the token itself."""
+        tokens, values, tops, offsets = [], [], [], []
+        at = 0
+        for token_id, lp in zip(prompt_ids, entries or ()):
+            token = self.token_text(token_id)[0]
+            tokens.append(token)
+            offsets.append(at)
+            at += len(token)
+            if lp is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_finite(lp.logprob))
+            top = {self.token_text(t)[0]: _finite(v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
+            top.setdefault(token, _finite(lp.logprob))
+            tops.append(top)
+        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        if generated:
+            for key, more in self.completion_logprobs(generated, offset).items():
+                out[key] += more
+        return out
+
+    def vllm_prompt_logprobs(self, entries) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: None first, then per prompt token {token id: {logprob, rank,
+        decoded_token}} for the token itself (its rank among the vocabulary) and its alternatives
+        (ranks 1..k)."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": self.token_text(lp.token_id)[0]}}
+            for rank, (t, v) in enumerate(sorted(lp.top.items(), key=lambda kv: -kv[1]), start=1):
+                entry.setdefault(str(t), {"logprob": _finite(v), "rank": rank, "decoded_token": self.token_text(t)[0]})
+            out.append(entry)
+        return out
+
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else _MIN_LOGPROB

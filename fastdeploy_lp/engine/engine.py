@@ -28,6 +28,7 @@ import numpy as np
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.executor.tensor_parallel import TensorParallelRunner
 from fastdeploy_lp.engine.kv_cache import BlockPool
+from fastdeploy_lp.engine import prompt_logprobs
 from fastdeploy_lp.engine.kv_events import KVEventLog, KVEventPublisher
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
@@ -344,10 +345,16 @@ class LLMEngine:
         # Active requests: every token not in their blocks yet (a prompt's last chunk, one sampled
         # token, or forced ones) and their drafts, with logits for the last token and each draft;
         # then prompt chunks of requests still joining, without.
+        # Requests asking for prompt logprobs also get the rows of their prompt positions (after these).
         feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len) + drafts.get(r.slot, []), r.cached_len,
-                              num_logits=1 + len(drafts.get(r.slot, []))) for r in running]
-        feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False) for c in chunks]
+                              num_logits=1 + len(drafts.get(r.slot, [])),
+                              prompt_logits=prompt_logprobs.feed_rows(r, r.cached_len, r.total_len - r.cached_len))
+                 for r in running]
+        feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False,
+                               prompt_logits=prompt_logprobs.feed_rows(c.request, c.start, len(c.tokens)))
+                  for c in chunks]
         logits = self.runner.forward(feeds, self.block_pool.take_fresh())
+        logits = prompt_logprobs.take(logits, feeds, running + [c.request for c in chunks])
         for feed, request in zip(feeds, running + [c.request for c in chunks]):
             self.scheduler.commit(request, len(feed.tokens) - feed.num_logits + 1)  # drafts: once accepted
         self.last_progress = time.monotonic()

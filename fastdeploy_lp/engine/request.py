@@ -25,6 +25,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the `logprobs` most likely alternatives, token id -> logprob
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were more likely than this one
 
 
 class PrefixView(Sequence):
@@ -100,6 +101,8 @@ class RequestOutput:
     outputs: CompletionOutput
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # with `prompt_logprobs`: None for the first prompt token, then each next one's Logprob (vLLM's field)
+    prompt_logprobs: Sequence[Logprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -132,7 +135,12 @@ class Request:
     active: bool = False                # in share_inputs: prompt computed, generating
     resumed: bool = False               # preempted at least once
     forced_queue: list[int] = field(default_factory=list)  # forced tokens not appended yet (fast-forward off)
+    prompt_logprobs: list[Logprob | None] | None = None  # with params.prompt_logprobs: filled in prompt order
     _reported_tokens: int = 0
+
+    def __post_init__(self):
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
 
     @property
     def total_len(self) -> int:
@@ -169,4 +177,5 @@ class Request:
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, out, self.finished, metrics)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, out, self.finished, metrics,
+                             None if self.prompt_logprobs is None else PrefixView(self.prompt_logprobs))

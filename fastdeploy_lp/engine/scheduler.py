@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy_lp.engine.kv_cache import BlockPool, block_hashes
+from fastdeploy_lp.engine.prompt_logprobs import needs_prompt_logits
 from fastdeploy_lp.engine.request import Request
 from fastdeploy_lp.processors.base import LogitsProcessorArgs, ShareInputs
 
@@ -164,8 +165,9 @@ class SlotScheduler:
         hashes = request.block_hashes
         if not hashes and self.pool.enable_prefix_caching:
             hashes = block_hashes(request.tokens(0, total), self.pool.block_size)
-        # At least the last token is computed: its logits are the request's next token.
-        hit = self.pool.lookup(hashes, (total - 1) // self.pool.block_size)
+        # At least the last token is computed: its logits are the request's next token. A request
+        # still owed prompt logprobs computes its whole prompt (their logits were never cached).
+        hit = [] if needs_prompt_logits(request) else self.pool.lookup(hashes, (total - 1) // self.pool.block_size)
         request.blocks, request.cached_len, request.block_hashes = hit, len(hit) * self.pool.block_size, hashes
         chunk = self._chunk(request, budget, first)
         if chunk is None:

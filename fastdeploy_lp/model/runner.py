@@ -4,7 +4,9 @@ A step feeds every scheduled sequence some new tokens: a prompt chunk, one sampl
 running request, several forced tokens, or a token and its speculative drafts. All of them run in
 one forward pass; the logits of the last new token (the last `num_logits` for a verify pass) of each
 feed that asks for them come back as one `[rows, vocab]` tensor in the feeds' order (the engine
-passes the active slots in increasing slot order: the row convention).
+passes the active slots in increasing slot order: the row convention). A feed may also ask for the
+logits of a run of its prompt tokens (`prompt_logits`, for prompt logprobs): those rows follow all
+the sampling rows, feed after feed, so the sampling rows are the tensor's first ones either way.
 
 It sits with the model, below `distributed/`: each tensor-parallel rank runs one, and the engine
 picks it or the tensor-parallel runner (`engine.engine.build_runner`).
@@ -31,13 +33,16 @@ logger = logging.getLogger(__name__)
 class SequenceFeed:
     """New tokens of one sequence for a pass: `tokens` go at positions `start..` of its `blocks`
     (which cover them); `logits` asks for the scores of the last `num_logits` tokens (more than one
-    when a speculative verify pass scores each draft position)."""
+    when a speculative verify pass scores each draft position). `prompt_logits` = (first, count)
+    asks as well for the scores of `count` tokens from `tokens[first]` on, returned after every
+    feed's sampling rows (prompt logprobs, engine/prompt_logprobs.py)."""
 
     blocks: list[int]
     tokens: list[int]
     start: int
     logits: bool = True
     num_logits: int = 1
+    prompt_logits: tuple[int, int] = (0, 0)
 
 
 def use_device(fd_config: FDConfig) -> None:
@@ -157,8 +162,8 @@ class ModelRunner:
 
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
         """Logits `[rows, vocab]` (float32) for the last `num_logits` tokens of the feeds asking for
-        them, in the feeds' order (a feed's rows in position order): `_forward` in this engine's
-        kernel mode (a process may hold engines with and without `deterministic`)."""
+        them, in the feeds' order (a feed's rows in position order), then the `prompt_logits` rows of
+        each feed asking, in the same order: `_forward` in this engine's kernel mode (a process may hold engines with and without `deterministic`)."""
         with batch_invariant_mode(self.deterministic):
             return self._forward(feeds, fresh_blocks)
 
@@ -175,6 +180,8 @@ class ModelRunner:
                                      self.block_size, self.kv_heads, self.per_kv, fresh_blocks)
         hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)
         rows = [last[i] - f.num_logits + 1 + j for i, f in enumerate(feeds) if f.logits for j in range(f.num_logits)]
+        rows += [last[i] - len(f.tokens) + 1 + f.prompt_logits[0] + j
+                 for i, f in enumerate(feeds) for j in range(f.prompt_logits[1])]
         if not rows:
             return paddle.zeros([0, self.model.config.vocab_size], dtype="float32")
         if rows != list(range(len(ids))):  # else every row, in order (a plain decode step): no copy
