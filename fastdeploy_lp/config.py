@@ -85,6 +85,41 @@ RUNTIME_OBJECTS = ("tokenizer", "tool_functions", "custom_guided_decoding_backen
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving (`enable_lora`; docs/lora.md): the adapters loaded at start-up as (name, path)
+    pairs, and the limits every adapter is checked against."""
+
+    modules: tuple[tuple[str, str], ...]
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+
+    @classmethod
+    def from_args(cls, args: "EngineArgs") -> "LoRAConfig | None":
+        if not args.enable_lora:
+            if args.lora_modules:
+                raise ValueError("lora_modules: needs enable_lora (--enable-lora)")
+            return None
+        if args.tensor_parallel_size != 1:
+            raise ValueError("enable_lora: LoRA adapters are not sharded yet (tensor_parallel_size must be 1)")
+        modules = []
+        for entry in args.lora_modules or ():
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {entry!r} is not name=path")
+            if name in dict(modules):
+                raise ValueError(f"lora_modules: {name!r} is given twice")
+            modules.append((name, path))
+        for field_name in ("max_loras", "max_lora_rank"):
+            value = getattr(args, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field_name}: must be a positive integer, got {value!r}")
+        if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+            raise ValueError(f"max_cpu_loras: {args.max_cpu_loras} is fewer than max_loras={args.max_loras}")
+        return cls(tuple(modules), args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+
+
+@dataclass(frozen=True)
 class FDConfig:
     """Everything the engine and the logits processors need to know about one deployment, derived
     from `EngineArgs` (which documents each field) and checked against the checkpoint. Frozen: a
@@ -112,6 +147,7 @@ class FDConfig:
     sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
     kv_events_config: KVEventsConfig | None  # None: no KV-cache events published
     deterministic: bool  # batch-invariant kernels (docs/deterministic.md)
+    lora_config: LoRAConfig | None  # None: LoRA off
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs: Any) -> "FDConfig":
@@ -275,6 +311,18 @@ class EngineArgs:
     max_bad_word_length: int = option(128, "Most characters of one bad word, or token ids of one banned sequence; "
                                            "longer get a 400 (offline: a ValueError).", group=LIMITS,
                                       parse=positive_int, metavar="N")
+    enable_lora: bool = option(False, "Serve LoRA adapters (Hugging Face PEFT format) on top of the base model: "
+                                      "a request's model picks one. See docs/lora.md.", group=MODEL)
+    lora_modules: list[str] | None = option(
+        None, "Adapters loaded at start-up, as name=path (a PEFT directory); requests name them as their model.",
+        group=MODEL, nargs="+", metavar="NAME=PATH")
+    max_loras: int = option(4, "Most different adapters in one step; requests on others wait.", group=MODEL,
+                            parse=positive_int, metavar="N")
+    max_lora_rank: int = option(16, "Highest adapter rank (r) accepted; larger adapters are refused.", group=MODEL,
+                                parse=positive_int, metavar="N")
+    max_cpu_loras: int | None = option(None, "Adapters held in memory (default: no limit); past it the least "
+                                             "recently used leaves and is read again when asked for.", group=MODEL,
+                                       parse=positive_int, metavar="N")
     engine_worker_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
                                                   group=COMPAT, parse=port_number, metavar="PORT")
     cache_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
@@ -319,7 +367,8 @@ class EngineArgs:
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
                         kv_events_config=KVEventsConfig.from_value(self.kv_events_config, self.enable_prefix_caching),
-                        tokenizer_dir=self.tokenizer, sequence_limits=limits, deterministic=self.deterministic)
+                        tokenizer_dir=self.tokenizer, sequence_limits=limits, deterministic=self.deterministic,
+                        lora_config=LoRAConfig.from_args(self))
 
     def sequence_limits(self) -> SequenceLimits:
         """The request limits of these options; a `ValueError` names a bad one."""

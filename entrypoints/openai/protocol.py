@@ -424,6 +424,7 @@ class ModelCard(BaseModel):
     quantization: str | None = None  # "wint8", "wint4", "gguf: Q4_K x168, ..." (the file's types) or None
     weight_bytes: int | None = None  # resident weight bytes, every tensor-parallel rank's together
     deterministic: bool = False  # --deterministic: batch-invariant outputs (docs/deterministic.md)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base itself
 
 
 class ModelList(BaseModel):

@@ -81,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         backend = self.custom_backend(req)
         tools_active = bool(req.tools) and req.tool_choice != "none"  # calls are read from the output
         tool_guided, guided, params, (prompt_ids, prompt_text) = self._prepare(req, backend)
+        self.use_adapter(params, req.model)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if backend is not None:
             constrained_by = req.constraint_field() if guided is not None else ("tools" if tools_active else None)

@@ -37,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if backend is None:
                 self.check_guided(guided, req.constraint_field())
             params = self._params(req, guided)
+        self.use_adapter(params, req.model)
         prompts = req.prompts()
         streams: list[RequestStream] = []
         try:

@@ -32,10 +32,11 @@ from fastdeploy_lp.engine import prompt_logprobs
 from fastdeploy_lp.engine.kv_events import KVEventLog, KVEventPublisher
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
-from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
+from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler, adapter_of
 from fastdeploy_lp.engine.speculation import SpeculativeStats, Speculator, build_proposer
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
+from fastdeploy_lp.model.lora import LORA_NAME
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
@@ -104,7 +105,8 @@ class LLMEngine:
         self.pipeline = LogitsProcessorPipeline(self.context, fd_config.logits_processors,
                                                 leading=leading_processors(self.context))
         self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
-                                       cache.enable_chunked_prefill)
+                                       cache.enable_chunked_prefill,
+                                       None if fd_config.lora_config is None else fd_config.lora_config.max_loras)
         self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
         self.stages = SamplingStages(self.sampler, self.pipeline, self.scheduler.share_inputs)
         spec = fd_config.speculative_config
@@ -141,6 +143,7 @@ class LLMEngine:
         else:
             raise ValueError("prompt: must be a string or a list of token ids")
         params = self._check(ids, params)
+        self._check_adapter(params)
         args = self.pipeline.validate(params)
         request_id = request_id or uuid.uuid4().hex
         requests = []
@@ -161,6 +164,16 @@ class LLMEngine:
             if self._pending == 0:  # idle until now: time without progress counts from here
                 self.last_progress = time.monotonic()
             self._pending += len(requests)
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        """A request naming a LoRA adapter (`SamplingParams.extra[LORA_NAME]`) needs it loaded."""
+        name = params.extra.get(LORA_NAME)
+        if name is None:
+            return
+        loras = getattr(self.runner, "loras", None)
+        if loras is None:
+            raise ValueError(f"model: {name!r} is a LoRA adapter and LoRA is off on this engine (enable_lora)")
+        loras.get(name)  # a ValueError naming it when it is not loaded
 
     def _check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         vocab, limit = self.fd_config.model_config.vocab_size, self.fd_config.max_model_len
@@ -348,10 +361,12 @@ class LLMEngine:
         # Requests asking for prompt logprobs also get the rows of their prompt positions (after these).
         feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len) + drafts.get(r.slot, []), r.cached_len,
                               num_logits=1 + len(drafts.get(r.slot, [])),
-                              prompt_logits=prompt_logprobs.feed_rows(r, r.cached_len, r.total_len - r.cached_len))
+                              prompt_logits=prompt_logprobs.feed_rows(r, r.cached_len, r.total_len - r.cached_len),
+                              lora=adapter_of(r))
                  for r in running]
         feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False,
-                               prompt_logits=prompt_logprobs.feed_rows(c.request, c.start, len(c.tokens)))
+                               prompt_logits=prompt_logprobs.feed_rows(c.request, c.start, len(c.tokens)),
+                               lora=adapter_of(c.request))
                   for c in chunks]
         logits = self.runner.forward(feeds, self.block_pool.take_fresh())
         logits = prompt_logprobs.take(logits, feeds, running + [c.request for c in chunks])

@@ -16,6 +16,7 @@ from fastdeploy_lp.processors.builtin.tool_execution import load_tool_functions
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.custom_backends import load_custom_backends
 from fastdeploy_lp.reasoning import get_reasoning_parser
+from fastdeploy_lp.model.lora import LORA_NAME, LoRARequest
 from fastdeploy_lp.sampling_params import SamplingParams
 from fastdeploy_lp.tokenizer.chat_template import render_chat_prompt
 
@@ -100,14 +101,38 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt (per choice when `n > 1`), in the order given."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt (per choice when `n > 1`), in the order given. With
+        `lora_request` (vLLM's `LoRARequest`, one for all prompts or one per prompt, None: the base
+        model) the prompts run with that adapter, loaded at its first use (needs `enable_lora`)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: must not be empty")
+        if lora_request is not None:
+            sampling_params = self._with_adapters(len(prompts), sampling_params, lora_request)
         return self._run(prompts, sampling_params, use_tqdm)
+
+    def _with_adapters(self, count: int, sampling_params, lora_request) -> list[SamplingParams]:
+        """Each prompt's parameters naming its adapter (`model/lora.py`), the adapters loaded."""
+        loras = getattr(self.engine.runner, "loras", None)
+        if loras is None:
+            raise ValueError("lora_request: LoRA is off on this engine (LLM(..., enable_lora=True))")
+        adapters = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(adapters) != count:
+            raise ValueError(f"lora_request: got {len(adapters)} for {count} prompts")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * count
+        params = []
+        for adapter, p in zip(adapters, sampling_params):
+            p = p.clone()
+            if adapter is not None:
+                loras.load(adapter.lora_name, adapter.lora_path)
+                p.extra[LORA_NAME] = adapter.lora_name
+            params.append(p)
+        return params
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

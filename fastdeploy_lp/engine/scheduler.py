@@ -7,6 +7,7 @@ leaves under chunked prefill and preemption. `SlotScheduler` is where it is writ
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import numpy as np
 from fastdeploy_lp.engine.kv_cache import BlockPool, block_hashes
 from fastdeploy_lp.engine.prompt_logprobs import needs_prompt_logits
 from fastdeploy_lp.engine.request import Request
+from fastdeploy_lp.model.lora import LORA_NAME
 from fastdeploy_lp.processors.base import LogitsProcessorArgs, ShareInputs
 
 _SAMPLING_FIELDS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
@@ -42,6 +44,18 @@ def new_share_inputs(max_num_seqs: int) -> ShareInputs:
     return inputs
 
 
+def adapter_of(request: Request) -> str | None:
+    """The LoRA adapter `request` runs with (model/lora.py), None for the base model."""
+    return request.params.extra.get(LORA_NAME)
+
+
+def hash_seed(request: Request) -> bytes:
+    """The parent of a request's first block hash: b"" for the base model, the adapter's name hashed
+    for an adapter, so the prefix cache never shares KV computed under different adapters."""
+    name = adapter_of(request)
+    return b"" if name is None else hashlib.sha256(b"lora:" + name.encode()).digest()
+
+
 @dataclass
 class Chunk:
     """Tokens `[start, start + len(tokens))` of a request to compute in this step's pass."""
@@ -65,8 +79,9 @@ class SlotScheduler:
     """
 
     def __init__(self, max_num_seqs: int, pool: BlockPool, token_budget: int | None = None,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, max_loras: int | None = None):
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras  # most different LoRA adapters holding slots at once
         self.pool = pool
         self.token_budget = token_budget
         self.chunked_prefill = chunked_prefill
@@ -107,6 +122,8 @@ class SlotScheduler:
         rejected = []
         while self.waiting and (budget is None or budget > 0) and None in self.slots:
             request = self._next_waiting()
+            if request is None:  # every waiting request needs an adapter past max_loras
+                break
             chunk = self._admit(request, budget, first=not chunks)
             if chunk is None:
                 break
@@ -124,22 +141,31 @@ class SlotScheduler:
                     rejected.append((chunk.request, e))
         return [c for c in chunks if not c.request.active], joined, rejected
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Request | None:
         """The waiting request a free slot goes to: the first, in queue order, of those whose call
         (`group_id`, shared by its `n` choices) holds the fewest slots. A call with a large `n`
         then takes turns with the others instead of holding every slot until all its choices end.
         A preempted request, put back at the head, comes first: it already had its turn and was
-        taken off, and skipping it could preempt it again and again."""
-        if self.waiting[0].resumed:
-            return self.waiting[0]
+        taken off, and skipping it could preempt it again and again. Only requests whose LoRA
+        adapter fits `max_loras` with the slots' adapters are candidates (None: none fits)."""
+        waiting = self.waiting if self.max_loras is None else [r for r in self.waiting if self._adapter_fits(r)]
+        if not waiting:
+            return None
+        if waiting[0].resumed:
+            return waiting[0]
         held = Counter(r.group_id for r in self.holding)
-        best, fewest = self.waiting[0], held[self.waiting[0].group_id]
-        for request in self.waiting:
+        best, fewest = waiting[0], held[waiting[0].group_id]
+        for request in waiting:
             if fewest == 0:
                 break
             if held[request.group_id] < fewest:
                 best, fewest = request, held[request.group_id]
         return best
+
+    def _adapter_fits(self, request: Request) -> bool:
+        name = adapter_of(request)
+        held = {adapter_of(r) for r in self.holding} - {None}
+        return name is None or name in held or len(held) < self.max_loras
 
     def _chunk(self, request: Request, budget: int | None, first: bool, preempt: bool = False) -> Chunk | None:
         """The next piece of `request`'s prompt that fits the budget and the free blocks (with
@@ -164,7 +190,7 @@ class SlotScheduler:
         total = request.total_len
         hashes = request.block_hashes
         if not hashes and self.pool.enable_prefix_caching:
-            hashes = block_hashes(request.tokens(0, total), self.pool.block_size)
+            hashes = block_hashes(request.tokens(0, total), self.pool.block_size, hash_seed(request))
         # At least the last token is computed: its logits are the request's next token. A request
         # still owed prompt logprobs computes its whole prompt (their logits were never cached).
         hit = [] if needs_prompt_logits(request) else self.pool.lookup(hashes, (total - 1) // self.pool.block_size)
@@ -229,7 +255,7 @@ class SlotScheduler:
         size, full = self.pool.block_size, request.cached_len // self.pool.block_size
         have = len(request.block_hashes)
         if full > have:
-            parent = request.block_hashes[-1] if have else b""
+            parent = request.block_hashes[-1] if have else hash_seed(request)
             request.block_hashes += block_hashes(request.tokens(have * size, full * size), size, parent)
         for i in range(request.registered, full):
             if self.pool.register(request.blocks[i], request.block_hashes[i]) and self.pool.events is not None:

@@ -13,7 +13,7 @@ from paddle import nn
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model import cpu_kernels, lora
 from fastdeploy_lp.model.fused_layer import fused_layer_kernels, run_fused_layers
 from fastdeploy_lp.model.layers import MLP, Attention, AttentionBatch, RMSNorm, RotaryEmbedding
 from fastdeploy_lp.model.linear import linear, linear_weight
@@ -104,7 +104,8 @@ class DecoderForCausalLM(nn.Layer):
         x = self.embed(input_ids)
         # Every layer has the same shape and this pass's rows: whether they all run in one kernel
         # call is decided once per pass.
-        fused = None if kv_caches is None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
+        # A pass with an adapter runs op by op: the update goes between the fused call's kernels.
+        fused = None if kv_caches is None or lora.active() is not None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
         if fused is not None:
             return run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches, self.norm)
         for i, layer in enumerate(self.layers):

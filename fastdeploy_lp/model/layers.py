@@ -17,7 +17,7 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import cpu_features, cpu_kernels
+from fastdeploy_lp.model import cpu_features, cpu_kernels, lora
 from fastdeploy_lp.model.activations import activation
 from fastdeploy_lp.model.linear import FEW_ROWS, batch_invariant, kernels_for, linear, linear_weight
 
@@ -228,6 +228,12 @@ class AttentionBatch:
         return self._rotary
 
 
+def layer_index(prefix: str) -> int:
+    """The decoder layer a weight prefix (`layers.3.mlp.`) belongs to: where its LoRA weights are found."""
+    parts = prefix.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else 0
+
+
 def zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
     """Clear the blocks handed out since the last pass (`AttentionBatch.zero_rows`)."""
     if batch.zero_rows is None:
@@ -263,10 +269,13 @@ class Attention(nn.Layer):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.layer_index = layer_index(prefix)
 
     def forward(self, x, batch: AttentionBatch, rotary: RotaryEmbedding, kv_cache):
         # x: [tokens, hidden] (the batch is flattened to tokens)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_weight_scale, self.qkv_weight_layout)
+        if lora.active() is not None:
+            qkv = lora.add(self.layer_index, "qkv", x, qkv)
         if kv_cache is None:
             return self._project(self._causal(*self._rotated(qkv, batch, rotary)))
         kernels = kernels_for(qkv, "rotary", qkv.shape[0]) if self.q_norm is None else None
@@ -309,8 +318,9 @@ class Attention(nn.Layer):
 
     def _project(self, out):
         if self.shard is None:
-            return linear(out.reshape([-1, self.q_size]), self.o_weight, self.o_bias, self.o_weight_scale,
-                          self.o_weight_layout)
+            out = out.reshape([-1, self.q_size])
+            projected = linear(out, self.o_weight, self.o_bias, self.o_weight_scale, self.o_weight_layout)
+            return projected if lora.active() is None else lora.add(self.layer_index, "o", out, projected)
         # Row-parallel; each rank's int8 scales are its own columns', applied before the sum.
         out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight, None, self.o_weight_scale,
                                           self.o_weight_layout))
@@ -387,9 +397,12 @@ class MLP(nn.Layer):
         self.gate_up_bias = (self.create_parameter([2 * self.intermediate], is_bias=True)
                              if config.mlp_bias else None)
         self.down_bias = self.create_parameter([config.hidden_size], is_bias=True) if config.mlp_bias else None
+        self.layer_index = layer_index(prefix)
 
     def forward(self, x):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_weight_scale, self.gate_up_weight_layout)
+        if lora.active() is not None:
+            gate_up = lora.add(self.layer_index, "gate_up", x, gate_up)
         if self.fused_swiglu and (kernels := kernels_for(gate_up, "swiglu", gate_up.shape[0])) is not None:
             hidden = kernels.swiglu(gate_up)  # 25 vs 90 ms for Paddle's CPU swiglu on [4096, 2 x 4864]
         elif self.fused_swiglu:
@@ -398,7 +411,8 @@ class MLP(nn.Layer):
             gate, up = paddle.split(gate_up, 2, axis=-1)
             hidden = self.act(gate) * up
         if self.shard is None:
-            return linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale, self.down_weight_layout)
+            out = linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale, self.down_weight_layout)
+            return out if lora.active() is None else lora.add(self.layer_index, "down", hidden, out)
         out = self.shard.all_reduce(  # row-parallel
             linear(hidden, self.down_weight, None, self.down_weight_scale, self.down_weight_layout))
         return out if self.down_bias is None else out + self.down_bias

@@ -22,7 +22,7 @@ import paddle
 
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.distributed.shard import TensorShard
-from fastdeploy_lp.model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model
+from fastdeploy_lp.model import AttentionBatch, cpu_dispatch, cpu_features, cpu_kernels, load_model, lora
 from fastdeploy_lp.model.linear import batch_invariant_mode
 from fastdeploy_lp.model.loader import weight_bytes
 
@@ -43,6 +43,7 @@ class SequenceFeed:
     logits: bool = True
     num_logits: int = 1
     prompt_logits: tuple[int, int] = (0, 0)
+    lora: str | None = None  # the LoRA adapter these tokens run with (model/lora.py); None: the base model
 
 
 def use_device(fd_config: FDConfig) -> None:
@@ -152,6 +153,7 @@ class ModelRunner:
         for pair in self.kv_caches:
             for c in pair:
                 c[:null_rows] = 0
+        self.loras = self._load_loras(fd_config)
         self.deterministic = fd_config.deterministic
         if self.deterministic:  # every op on the kernels: no plan to measure
             with batch_invariant_mode(True) as kernels:  # refuses here where the kernels cannot run
@@ -178,7 +180,7 @@ class ModelRunner:
             last[i] = len(ids) - 1
         batch = AttentionBatch.paged([(feeds[i].blocks, feeds[i].start, len(feeds[i].tokens)) for i in order],
                                      self.block_size, self.kv_heads, self.per_kv, fresh_blocks)
-        hidden = self.model(paddle.to_tensor(ids, dtype="int64"), batch, self.kv_caches)
+        hidden = self._run_model(paddle.to_tensor(ids, dtype="int64"), batch, [feeds[i] for i in order])
         rows = [last[i] - f.num_logits + 1 + j for i, f in enumerate(feeds) if f.logits for j in range(f.num_logits)]
         rows += [last[i] - len(f.tokens) + 1 + f.prompt_logits[0] + j
                  for i, f in enumerate(feeds) for j in range(f.prompt_logits[1])]
@@ -187,6 +189,24 @@ class ModelRunner:
         if rows != list(range(len(ids))):  # else every row, in order (a plain decode step): no copy
             hidden = paddle.index_select(hidden, paddle.to_tensor(rows, dtype="int64"))
         return self.model.logits(hidden)
+
+    def _run_model(self, ids: paddle.Tensor, batch: AttentionBatch, feeds: list[SequenceFeed]) -> paddle.Tensor:
+        """The decoder over `ids` (`feeds`' tokens in that order), with each feed's LoRA adapter on its rows."""
+        if self.loras is None or not any(f.lora for f in feeds):
+            return self.model(ids, batch, self.kv_caches)
+        adapters = [None if f.lora is None else self.loras.get(f.lora) for f in feeds for _ in f.tokens]
+        with lora.rows_of_pass(adapters):
+            return self.model(ids, batch, self.kv_caches)
+
+    def _load_loras(self, fd_config: FDConfig) -> lora.LoRAManager | None:
+        """The adapter registry when LoRA is on, with `--lora-modules` loaded (a bad one: a `ValueError`)."""
+        config = fd_config.lora_config
+        if config is None:
+            return None
+        manager = lora.LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras)
+        for name, path in config.modules:
+            manager.load(name, path)
+        return manager
 
     def on_failure(self, callback) -> None:
         """`callback(message)` runs if the runner can no longer run passes; one process never gets there."""

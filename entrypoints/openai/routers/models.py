@@ -18,13 +18,18 @@ router = APIRouter(prefix="/v1")
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request):
     state = request.app.state
-    return {"object": "list", "data": [_model_card(state, name) for name in state.settings.served_model_names]}
+    names = state.settings.served_model_names
+    return {"object": "list", "data": [_model_card(state, name) for name in names]
+            + [_adapter_card(state, name, path) for name, path in _adapters(state)]}
 
 
 @router.get("/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
 async def retrieve_model(model: str, request: Request):
     """One served model, as OpenAI's `GET /v1/models/{model}` (ids may contain '/')."""
     names = request.app.state.settings.served_model_names
+    adapters = dict(_adapters(request.app.state))
+    if model in adapters:
+        return _adapter_card(request.app.state, model, adapters[model])
     if model not in names:
         raise OpenAIError(404, f"model: {model!r} is not served here; served: {', '.join(names)}",
                           param="model", code="model_not_found")
@@ -53,6 +58,19 @@ def _model_card(state, name: str) -> dict:
             "root": state.settings.model_path, "max_model_len": engine.fd_config.max_model_len,
             "weight_dtype": model.weight_dtype, "quantization": quantization,
             "weight_bytes": engine.weight_bytes, "deterministic": engine.fd_config.deterministic}
+
+
+def _adapters(state) -> list[tuple[str, str]]:
+    """The LoRA adapters served (`--lora-modules`), as (name, path)."""
+    lora_config = state.async_engine.fd_config.lora_config
+    return [] if lora_config is None else list(lora_config.modules)
+
+
+def _adapter_card(state, name: str, path: str) -> dict:
+    """A LoRA adapter as vLLM lists it: its path as `root`, the base model's name as `parent`."""
+    return {"id": name, "object": "model", "created": state.started, "owned_by": "fastdeploy_lp", "root": path,
+            "parent": state.settings.served_model_names[0],
+            "max_model_len": state.async_engine.fd_config.max_model_len}
 
 
 def _processor_card(cls: type, position: int, installed_by_engine: bool) -> dict:

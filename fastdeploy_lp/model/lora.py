@@ -1,0 +1,226 @@
+"""LoRA adapters in Hugging Face PEFT format, applied per row on top of the base model's linears.
+
+An adapter is a directory with `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
+`target_modules`) and `adapter_model.safetensors` (keys such as
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, A `[r, in]`, B `[out, r]`).
+Each targeted projection gets `y = base(x) + scaling * (x @ A^T) @ B^T`, `scaling = lora_alpha / r`
+(`lora_alpha / sqrt(r)` with `use_rslora`), PEFT's rule.
+
+The model holds q/k/v and gate/up fused (`layers.py`), so an adapter's projections are fused the
+same way when it loads: the A matrices of q, k and v stacked `[r_q + r_k + r_v, in]`, their B
+matrices (times the scaling) on the block diagonal of `[q + 2 kv, r_q + r_k + r_v]`. A pass then
+runs the base GEMM over all its rows once, whatever the weight format, and `add` adds each active
+adapter's update to its own rows: gather them, two small float32 matmuls, scatter-add (the
+segmented form of Punica / S-LoRA). Rows without an adapter cost nothing, and a pass without any
+adapter never enters this module (`active()` is None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import paddle
+
+LORA_NAME = "lora_name"  # `SamplingParams.extra` key: the adapter a request runs with
+
+# PEFT module name -> (the fused weight here, its segment: q, k, v of qkv; gate, up of gate_up)
+TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's `LoRARequest`: the adapter a request runs with (`LLM.generate(..., lora_request=...)`).
+    `lora_int_id` is accepted for vLLM's signature; the adapter is known by its name."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class LoRAAdapter:
+    """One loaded adapter: per (layer, fused weight) its stacked A `[R, in]` and block-diagonal,
+    scaled B `[out, R]`, float32."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[paddle.Tensor, paddle.Tensor]] = field(default_factory=dict)
+
+
+def fused_shapes(model) -> tuple[int, dict[str, tuple[int, list[int]]]]:
+    """The decoder's layer count and, per fused weight, its input size and output segments."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    hidden = model.config.hidden_size
+    return len(model.layers), {"qkv": (hidden, [attn.q_size, attn.kv_size, attn.kv_size]),
+                               "o": (attn.q_size, [hidden]),
+                               "gate_up": (hidden, [mlp.intermediate, mlp.intermediate]),
+                               "down": (mlp.intermediate, [hidden])}
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """`adapter_config.json` and the tensors of `adapter_model.safetensors` as float32 (PEFT's `.bin`: refused)."""
+    config_file, weights_file = (os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    for f in (config_file, weights_file):
+        if not os.path.isfile(f):
+            raise ValueError(f"lora_path: {path!r} has no {os.path.basename(f)} (a PEFT adapter directory)")
+    with open(config_file) as f:
+        config = json.load(f)
+    from safetensors import safe_open
+    with safe_open(weights_file, framework="paddle") as f:  # numpy has no bfloat16; PEFT often saves it
+        return config, {k: f.get_tensor(k).astype("float32").numpy() for k in f.keys()}
+
+
+def load_adapter(name: str, path: str, model, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT adapter against `model`; a `ValueError` names the field that does not fit
+    (`r`, `target_modules`, a tensor's shape)."""
+    config, tensors = read_adapter(path)
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"r: adapter {name!r} has rank {rank!r}, must be a positive integer")
+    if rank > max_rank:
+        raise ValueError(f"r: adapter {name!r} has rank {rank}, more than max_lora_rank={max_rank}")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"rank_pattern: adapter {name!r} uses per-module ranks, not supported")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"target_modules: adapter {name!r} targets {', '.join(unknown)}, which this model does not "
+                         f"have as LoRA targets (supported: {', '.join(TARGETS)})")
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    layers, shapes = fused_shapes(model)
+    pieces: dict[tuple[int, str], dict[int, dict[str, np.ndarray]]] = {}
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in TARGETS:
+            raise ValueError(f"target_modules: adapter {name!r} has tensor {key!r}, not a LoRA weight of "
+                             f"{', '.join(TARGETS)}")
+        layer = int(m.group(1))
+        if layer >= layers:
+            raise ValueError(f"target_modules: adapter {name!r} has {key!r}, but the base model has {layers} layers")
+        fused, segment = TARGETS[m.group(3)]
+        pieces.setdefault((layer, fused), {}).setdefault(segment, {})[m.group(4)] = value
+    adapter = LoRAAdapter(name, path, rank)
+    for (layer, fused), segments in pieces.items():
+        adapter.weights[(layer, fused)] = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling)
+    if not adapter.weights:
+        raise ValueError(f"target_modules: adapter {name!r} holds no LoRA weights")
+    return adapter
+
+
+def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, list[int]], rank: int,
+          scaling: float) -> tuple[paddle.Tensor, paddle.Tensor]:
+    in_features, outs = shape
+    offsets = np.cumsum([0] + outs)
+    a_rows, b = [], np.zeros((offsets[-1], rank * len(segments)), dtype=np.float32)
+    for k, (segment, ab) in enumerate(sorted(segments.items())):
+        module = next(m for m, t in TARGETS.items() if t == (fused, segment))
+        where = f"adapter {name!r} layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"target_modules: {where} has lora_{''.join(ab)} without its pair")
+        a, bb = ab["A"], ab["B"]
+        if a.shape != (rank, in_features):
+            raise ValueError(f"lora_A: {where} is {list(a.shape)}, the base layer needs [{rank}, {in_features}] (r, in)")
+        if bb.shape != (outs[segment], rank):
+            raise ValueError(f"lora_B: {where} is {list(bb.shape)}, the base layer needs [{outs[segment]}, {rank}] "
+                             "(out, r)")
+        a_rows.append(a)
+        b[offsets[segment]:offsets[segment + 1], k * rank:(k + 1) * rank] = scaling * bb
+    return paddle.to_tensor(np.concatenate(a_rows)), paddle.to_tensor(b)
+
+
+class LoRAManager:
+    """The adapters an engine serves, by name (`--lora-modules`, `LLM.generate(lora_request=...)`).
+
+    Every name loaded stays known with its path; past `max_cpu_loras` adapters in memory the least
+    recently used one leaves it, and is read again from its path when a request names it."""
+
+    def __init__(self, model, max_lora_rank: int, max_cpu_loras: int | None = None):
+        self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
+        self.paths: dict[str, str] = {}
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Load (or return, when the same path is loaded under `name`) an adapter."""
+        have = self.paths.get(name)
+        if have is not None:
+            if os.path.abspath(have) != os.path.abspath(path):
+                raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
+            return self.get(name)
+        adapter = load_adapter(name, path, self.model, self.max_lora_rank)
+        self.paths[name] = path
+        return self._keep(adapter)
+
+    def unload(self, name: str) -> None:
+        if name not in self.paths:
+            raise ValueError(f"lora_name: adapter {name!r} is not loaded")
+        del self.paths[name]
+        self.adapters.pop(name, None)
+
+    def get(self, name: str) -> LoRAAdapter:
+        """The adapter `name`, most recently used now (read again from its path if it was evicted)."""
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            self.adapters.move_to_end(name)
+            return adapter
+        if name not in self.paths:
+            raise ValueError(f"model: LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
+        return self._keep(load_adapter(name, self.paths[name], self.model, self.max_lora_rank))
+
+    def _keep(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        self.adapters[adapter.name] = adapter
+        while self.max_cpu_loras is not None and len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)  # a pass holding it keeps its own reference
+        return adapter
+
+
+# The adapters of the pass running now and their rows: [(adapter, row indices or None for all rows)].
+_active: list[tuple[LoRAAdapter, paddle.Tensor | None]] | None = None
+
+
+def active() -> list[tuple[LoRAAdapter, paddle.Tensor | None]] | None:
+    return _active
+
+
+@contextlib.contextmanager
+def rows_of_pass(row_adapters: list[LoRAAdapter | None]):
+    """Within the block, the model's linears add each row's adapter (`row_adapters[i]` for row i of
+    the pass, None: the base). Without any adapter the pass is untouched."""
+    global _active
+    groups: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+    for i, adapter in enumerate(row_adapters):
+        if adapter is not None:
+            groups.setdefault(adapter.name, (adapter, []))[1].append(i)
+    before = _active
+    _active = [(a, None if len(rows) == len(row_adapters) else paddle.to_tensor(rows, dtype="int64"))
+               for a, rows in groups.values()] or None
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def add(layer: int, fused: str, x: paddle.Tensor, out: paddle.Tensor) -> paddle.Tensor:
+    """`out` (the base linear's output over `x`) plus each active adapter's update on its rows."""
+    for adapter, rows in _active:
+        ab = adapter.weights.get((layer, fused))
+        if ab is None:
+            continue
+        xs = x if rows is None else paddle.index_select(x, rows)
+        if xs.dtype != paddle.float32:
+            xs = xs.astype("float32")
+        update = paddle.matmul(paddle.matmul(xs, ab[0], transpose_y=True), ab[1], transpose_y=True)
+        if update.dtype != out.dtype:
+            update = update.astype(out.dtype)
+        out = out + update if rows is None else paddle.index_add(out, rows, 0, update)
+    return out

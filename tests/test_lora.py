@@ -1,0 +1,197 @@
+"""LoRA adapters (docs/lora.md): PEFT adapters built here with random A/B on the built-in model, checked
+against the same adapter merged into the weights, batched with other adapters and the base, kept
+apart in the prefix cache, refused when they do not fit, and served by model name."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from fastdeploy_lp import LLM, LoRARequest, SamplingParams
+from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.model_config import default_model_path
+from fastdeploy_lp.model.runner import SequenceFeed
+
+BASE = default_model_path()
+PROMPTS = ["Once upon a time there was a little", "The cat sat on the mat and then the dog came to",
+           "Tom and Lily went to the park to play"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PREFIX = "layers.{}.{}.{}"
+
+
+def make_adapter(path, base: str = BASE, rank: int = 8, targets=("q_proj", "v_proj"), seed: int = 0,
+                 scale: float = 0.6, use_rslora: bool = False, alpha: int | None = None, **config) -> str:
+    """A PEFT adapter of random A/B for `base`'s shapes, large enough to change greedy output."""
+    with safe_open(os.path.join(base, "model.safetensors"), framework="paddle") as f:
+        shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    tensors, rng = {}, np.random.default_rng(seed)
+    for key, shape in shapes.items():
+        module = key.split(".")[-2]
+        if module in targets and ".layers." in key and key.endswith(".weight"):
+            out, inp = shape
+            prefix = "base_model.model." + key[:-len(".weight")]
+            tensors[prefix + ".lora_A.weight"] = (rng.standard_normal((rank, inp)) * scale / math.sqrt(inp)).astype(np.float32)
+            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((out, rank)) * scale / math.sqrt(rank)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "use_rslora": use_rslora,
+           "target_modules": list(targets), "base_model_name_or_path": base, **config}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def merge(adapter: str, out, base: str = BASE) -> str:
+    """The full checkpoint of `base` with `adapter` merged: W + scaling * B @ A."""
+    shutil.copytree(base, out)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    scaling = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg["use_rslora"] else cfg["r"])
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    for key in list(weights):
+        a = lora.get("base_model.model." + key[:-len(".weight")] + ".lora_A.weight")
+        if a is not None:
+            b = lora["base_model.model." + key[:-len(".weight")] + ".lora_B.weight"]
+            weights[key] = (weights[key].astype(np.float64) + scaling * b.astype(np.float64) @ a).astype(np.float32)
+    save_file(weights, os.path.join(out, "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    a = make_adapter(root / "a", rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
+    b = make_adapter(root / "b", rank=16, targets=("gate_proj", "up_proj", "down_proj", "q_proj"), seed=2,
+                     use_rslora=True)
+    return {"a": a, "b": b, "merged_a": merge(a, root / "merged_a"), "merged_b": merge(b, root / "merged_b")}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(BASE, enable_lora=True, max_lora_rank=16, max_num_seqs=4, device="cpu", num_blocks=64)
+
+
+def texts(outs):
+    return [list(o.outputs.token_ids) for o in outs]
+
+
+def logits(engine_llm, ids, lora=None, blocks=(1, 2, 3)):
+    feed = SequenceFeed(list(blocks), ids, 0, lora=lora)
+    return engine_llm.engine.runner.forward([feed], list(blocks)).numpy()[0]
+
+
+def test_adapter_equals_merged_weights(llm, adapters):
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    base_out = texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for name in ("a", "b"):
+        request = LoRARequest(name, 1 if name == "a" else 2, adapters[name])
+        got = texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request))
+        merged = LLM(adapters["merged_" + name], max_num_seqs=4, device="cpu", num_blocks=64)
+        assert got == texts(merged.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert got != base_out  # the adapter changes the greedy output
+        np.testing.assert_allclose(logits(llm, ids, name), logits(merged, ids), atol=1e-4, rtol=0)
+
+
+def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapters):
+    requests = [LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"]), None]
+    alone = [texts(llm.generate([p], GREEDY, use_tqdm=False, lora_request=[r]))[0] for p, r in zip(PROMPTS, requests)]
+    together = texts(llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=requests * 2))
+    assert together == alone * 2
+    # One pass, three sequences on three adapters: each row's logits as in a pass of its own.
+    ids = [llm.tokenizer.encode(p)[:8] for p in PROMPTS]
+    names = ["a", "b", None]
+    feeds = [SequenceFeed([1 + 2 * i, 2 + 2 * i], t, 0, lora=n) for i, (t, n) in enumerate(zip(ids, names))]
+    mixed = llm.engine.runner.forward(feeds, list(range(1, 7))).numpy()
+    for i, (t, n) in enumerate(zip(ids, names)):
+        np.testing.assert_allclose(mixed[i], logits(llm, t, n, blocks=(10, 11)), atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_is_not_shared_between_adapters(llm, adapters):
+    prompt = " ".join(PROMPTS)  # several full blocks
+    a = LoRARequest("a", 1, adapters["a"])
+    merged = texts(LLM(adapters["merged_a"], max_num_seqs=4, device="cpu").generate([prompt], GREEDY, use_tqdm=False))
+    llm.reset_prefix_cache()
+    stats = llm.engine.block_pool.stats
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # the base fills the cache with this prompt's blocks
+    hits = stats.hit_tokens
+    assert texts(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=a)) == merged
+    assert stats.hit_tokens == hits  # nothing of the base's KV reused under the adapter
+    assert texts(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=a)) == merged
+    assert stats.hit_tokens > hits  # the adapter's own blocks are
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_field(llm, tmp_path):
+    cases = [(make_adapter(tmp_path / "big", rank=32), "r: adapter 'big' has rank 32, more than max_lora_rank=16"),
+             (make_adapter(tmp_path / "emb", targets=("q_proj",), target_modules=["q_proj", "embed_tokens"]),
+              "target_modules: adapter 'emb' targets embed_tokens"),
+             (make_adapter(tmp_path / "other", base=os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen2")),
+              "lora_A: adapter 'other' layers.0.q_proj is")]
+    for path, message in cases:
+        name = os.path.basename(path)
+        with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+            llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest(name, 9, path))
+    with pytest.raises(ValueError, match="lora_path: .* has no adapter_config.json"):
+        llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 9, str(tmp_path)))
+    with pytest.raises(ValueError, match="model: LoRA adapter 'nope' is not loaded"):
+        llm.engine.add_request("x", SamplingParams(extra={"lora_name": "nope"}))
+    with pytest.raises(ValueError, match="lora_modules: needs enable_lora"):
+        EngineArgs(BASE, lora_modules=["a=/x"]).create_engine_config()
+    with pytest.raises(ValueError, match="lora_modules: 'a' is not name=path"):
+        EngineArgs(BASE, enable_lora=True, lora_modules=["a"]).create_engine_config()
+    with pytest.raises(ValueError, match="r: adapter 'big' has rank 32"):  # at start-up too
+        LLM(BASE, enable_lora=True, lora_modules=[f"big={cases[0][0]}"], device="cpu", num_blocks=8)
+
+
+def test_max_loras_bounds_the_adapters_of_a_step(adapters):
+    llm = LLM(BASE, enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=1, max_num_seqs=4, device="cpu",
+              num_blocks=64)
+    requests = [LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"]), None]
+    alone = [texts(llm.generate([p], GREEDY, use_tqdm=False, lora_request=[r]))[0] for p, r in zip(PROMPTS, requests)]
+    seen = []
+    step = llm.engine.step
+
+    def watched():
+        seen.append({n for r in llm.engine.scheduler.holding if (n := r.params.extra.get("lora_name"))})
+        return step()
+    llm.engine.step = watched
+    assert texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests)) == alone
+    assert max(len(s) for s in seen) == 1 and {"a"} in seen and {"b"} in seen
+    assert len(llm.engine.runner.loras.adapters) == 1  # max_cpu_loras: the other was evicted, read again on use
+
+
+def test_the_server_serves_adapters_by_model_name(adapters):
+    from server_harness import openai_client, start_server
+    import httpx
+    import openai
+    server = start_server("--enable-lora", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
+                          "--max-lora-rank", "16", "--served-model-name", "base", model=BASE)
+    try:
+        client = openai_client(server)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", "a", "b"}
+        assert cards["a"].parent == "base" and cards["a"].root == adapters["a"] and cards["base"].parent is None
+        assert httpx.get(server.url("/v1/models/b")).json()["parent"] == "base"
+        merged = {n: LLM(adapters["merged_" + n], device="cpu", num_blocks=32) for n in ("a", "b")}
+        merged["base"] = LLM(BASE, device="cpu", num_blocks=32)
+        wants = {name: llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs.text
+                 for name, llm in merged.items()}
+        assert len(set(wants.values())) == 3
+        for name, want in wants.items():
+            out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == want, name
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        want = merged["a"].chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs.text
+        chat = client.chat.completions.create(model="a", messages=messages, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == want
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="c", prompt="x", max_tokens=1)
+    finally:
+        server.stop()
