@@ -83,7 +83,7 @@ def texts(outs):
 
 
 def logits(engine_llm, ids, lora=None, blocks=(1, 2, 3)):
-    feed = SequenceFeed(list(blocks), ids, 0, lora=lora)
+    feed = SequenceFeed(list(blocks), ids, 0, lora=lora and engine_llm.engine.runner.loras.get(lora))
     return engine_llm.engine.runner.forward([feed], list(blocks)).numpy()[0]
 
 
@@ -107,7 +107,7 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapte
     # One pass, three sequences on three adapters: each row's logits as in a pass of its own.
     ids = [llm.tokenizer.encode(p)[:8] for p in PROMPTS]
     names = ["a", "b", None]
-    feeds = [SequenceFeed([1 + 2 * i, 2 + 2 * i], t, 0, lora=n) for i, (t, n) in enumerate(zip(ids, names))]
+    feeds = [SequenceFeed([1 + 2 * i, 2 + 2 * i], t, 0, lora=n and llm.engine.runner.loras.get(n)) for i, (t, n) in enumerate(zip(ids, names))]
     mixed = llm.engine.runner.forward(feeds, list(range(1, 7))).numpy()
     for i, (t, n) in enumerate(zip(ids, names)):
         np.testing.assert_allclose(mixed[i], logits(llm, t, n, blocks=(10, 11)), atol=1e-4, rtol=0)
@@ -193,5 +193,27 @@ def test_the_server_serves_adapters_by_model_name(adapters):
         assert chat.choices[0].message.content == want
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="c", prompt="x", max_tokens=1)
+        check_runtime_loading(server, client, adapters, wants["b"])
     finally:
         server.stop()
+
+
+def check_runtime_loading(server, client, adapters, want_b):
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter: "c" serves adapter b's files."""
+    import httpx
+    import openai
+    load = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "c", "lora_path": adapters["b"]})
+    assert load.status_code == 200, load.text
+    assert "c" in {m.id for m in client.models.list().data}
+    out = client.completions.create(model="c", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want_b
+    again = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "c", "lora_path": adapters["a"]})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    big = make_adapter(os.path.join(os.path.dirname(adapters["a"]), "big"), rank=32)
+    refused = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "big", "lora_path": big})
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("r: adapter 'big' has rank 32")
+    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="c", prompt="x", max_tokens=1)
+    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"}).status_code == 400

@@ -52,21 +52,19 @@ class OpenAIServing:
         self.model_aliases = model_aliases | set(served_model_names)
         self.generation_defaults = dict(engine.fd_config.model_config.generation_defaults)
         self.guided_available = engine.serves_guided_decoding
-        lora_config = engine.fd_config.lora_config
-        self.lora_names = set() if lora_config is None else {name for name, _ in lora_config.modules}
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_aliases and name not in self.lora_names:
+        if name is not None and name not in self.model_aliases and name not in self.engine.lora_adapters():
             raise OpenAIError(404, f"model: {name!r} is not served here; use {self.model_name!r} "
                                    "(see GET /v1/models)", param="model", code="model_not_found")
 
     def use_adapter(self, params: SamplingParams, name: str | None) -> None:
         """A request whose `model` names a LoRA adapter (`--lora-modules`) runs with it (docs/lora.md)."""
-        if name in self.lora_names:
+        if name is not None and name not in self.model_aliases and name in self.engine.lora_adapters():
             params.extra[LORA_NAME] = name
 
     def check_guided(self, guided: GuidedDecodingParams | None, field: str) -> None:

@@ -147,6 +147,16 @@ class AsyncLLMEngine:
     def weight_bytes(self) -> int:
         return self.engine.runner.weight_bytes
 
+    # -- LoRA adapters: read and checked on a worker thread, never on the step loop -----------------
+    def lora_adapters(self) -> dict[str, str]:
+        return self.engine.lora_adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora_adapter(name)
+
     # -- requests (event loop) ------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:

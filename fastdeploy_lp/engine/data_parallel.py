@@ -282,6 +282,18 @@ class DataParallelEngineClient:
         return "no data-parallel engine serves: " + "; ".join(f"engine {e.rank}: {e.reason()}" for e in self.engines)
 
     # -- requests (event loop) ------------------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """The `--lora-modules` every engine process loaded at start-up."""
+        lora_config = self.fd_config.lora_config
+        return {} if lora_config is None else dict(lora_config.modules)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        raise ValueError("lora_name: adapters load at run time with one engine only; with --data-parallel-size "
+                         "give them as --lora-modules")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise ValueError("lora_name: adapters unload at run time with one engine only (--data-parallel-size)")
+
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
         """Route the request to the least loaded engine and wait for it to be admitted there. Raises

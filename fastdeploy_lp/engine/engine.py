@@ -32,11 +32,11 @@ from fastdeploy_lp.engine import prompt_logprobs
 from fastdeploy_lp.engine.kv_events import KVEventLog, KVEventPublisher
 from fastdeploy_lp.engine.request import FinishReason, Logprob, Request, RequestOutput
 from fastdeploy_lp.engine.sampler import Sampler
-from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler, adapter_of
+from fastdeploy_lp.engine.scheduler import Chunk, SlotScheduler
 from fastdeploy_lp.engine.speculation import SpeculativeStats, Speculator, build_proposer
 from fastdeploy_lp.engine.stages import SamplingStages
 from fastdeploy_lp.engine.step_rows import StepRows
-from fastdeploy_lp.model.lora import LORA_NAME
+from fastdeploy_lp.model.lora import LORA_ADAPTER, LORA_NAME
 from fastdeploy_lp.model.runner import ModelRunner, SequenceFeed
 from fastdeploy_lp.processors.context import EngineContext
 from fastdeploy_lp.processors.custom_backends import RequestLogitsProcessorAdapter
@@ -165,15 +165,36 @@ class LLMEngine:
                 self.last_progress = time.monotonic()
             self._pending += len(requests)
 
+    # -- LoRA adapters -----------------------------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served, name -> path (empty with LoRA off)."""
+        loras = getattr(self.runner, "loras", None)
+        return {} if loras is None else loras.names()
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read and check a PEFT adapter and serve it as `name`: from any thread (the files are read
+        outside the registry's lock), so a server loads it off the step loop."""
+        loras = getattr(self.runner, "loras", None)
+        if loras is None:
+            raise ValueError("lora_name: LoRA is off on this engine (--enable-lora)")
+        loras.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        loras = getattr(self.runner, "loras", None)
+        if loras is None:
+            raise ValueError("lora_name: LoRA is off on this engine (--enable-lora)")
+        loras.unload(name)
+
     def _check_adapter(self, params: SamplingParams) -> None:
-        """A request naming a LoRA adapter (`SamplingParams.extra[LORA_NAME]`) needs it loaded."""
+        """A request naming a LoRA adapter (`SamplingParams.extra[LORA_NAME]`) needs it loaded; it
+        holds the adapter from here on (`LORA_ADAPTER`: evicted or unloaded meanwhile, it still runs)."""
         name = params.extra.get(LORA_NAME)
         if name is None:
             return
         loras = getattr(self.runner, "loras", None)
         if loras is None:
             raise ValueError(f"model: {name!r} is a LoRA adapter and LoRA is off on this engine (enable_lora)")
-        loras.get(name)  # a ValueError naming it when it is not loaded
+        params.extra[LORA_ADAPTER] = loras.get(name)  # a ValueError naming it when it is not loaded
 
     def _check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         vocab, limit = self.fd_config.model_config.vocab_size, self.fd_config.max_model_len
@@ -362,11 +383,11 @@ class LLMEngine:
         feeds = [SequenceFeed(r.blocks, r.tokens(r.cached_len, r.total_len) + drafts.get(r.slot, []), r.cached_len,
                               num_logits=1 + len(drafts.get(r.slot, [])),
                               prompt_logits=prompt_logprobs.feed_rows(r, r.cached_len, r.total_len - r.cached_len),
-                              lora=adapter_of(r))
+                              lora=r.params.extra.get(LORA_ADAPTER))
                  for r in running]
         feeds += [SequenceFeed(c.request.blocks, c.tokens, c.start, logits=False,
                                prompt_logits=prompt_logprobs.feed_rows(c.request, c.start, len(c.tokens)),
-                               lora=adapter_of(c.request))
+                               lora=c.request.params.extra.get(LORA_ADAPTER))
                   for c in chunks]
         logits = self.runner.forward(feeds, self.block_pool.take_fresh())
         logits = prompt_logprobs.take(logits, feeds, running + [c.request for c in chunks])

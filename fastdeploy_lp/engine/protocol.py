@@ -115,6 +115,14 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
 
+    # -- LoRA adapters (docs/lora.md)
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served, name -> path (empty with LoRA off)."""
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter off the step loop; a `ValueError` names what does not fit."""
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving an adapter (requests already queued finish with it); `ValueError` if unknown."""
+
     # -- what requests may use
     @property
     def processors(self) -> list[LogitsProcessor]:

@@ -16,7 +16,7 @@ import numpy as np
 from fastdeploy_lp.engine.kv_cache import BlockPool, block_hashes
 from fastdeploy_lp.engine.prompt_logprobs import needs_prompt_logits
 from fastdeploy_lp.engine.request import Request
-from fastdeploy_lp.model.lora import LORA_NAME
+from fastdeploy_lp.model.lora import LORA_ADAPTER, LORA_NAME
 from fastdeploy_lp.processors.base import LogitsProcessorArgs, ShareInputs
 
 _SAMPLING_FIELDS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
@@ -50,10 +50,11 @@ def adapter_of(request: Request) -> str | None:
 
 
 def hash_seed(request: Request) -> bytes:
-    """The parent of a request's first block hash: b"" for the base model, the adapter's name hashed
-    for an adapter, so the prefix cache never shares KV computed under different adapters."""
-    name = adapter_of(request)
-    return b"" if name is None else hashlib.sha256(b"lora:" + name.encode()).digest()
+    """The parent of a request's first block hash: b"" for the base model, the adapter's name and
+    path hashed for an adapter, so the prefix cache never shares KV computed under different
+    adapters (nor under an adapter reloaded from elsewhere under the same name)."""
+    adapter = request.params.extra.get(LORA_ADAPTER)
+    return b"" if adapter is None else hashlib.sha256(f"lora:{adapter.name}\0{adapter.path}".encode()).digest()
 
 
 @dataclass

@@ -22,13 +22,15 @@ import json
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
 
-LORA_NAME = "lora_name"  # `SamplingParams.extra` key: the adapter a request runs with
+LORA_NAME = "lora_name"  # `SamplingParams.extra` key: the name of the adapter a request runs with
+LORA_ADAPTER = "lora_adapter"  # and the `LoRAAdapter` itself, set by the engine when the request is queued
 
 # PEFT module name -> (the fused weight here, its segment: q, k, v of qkv; gate, up of gate_up)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -143,44 +145,59 @@ class LoRAManager:
     """The adapters an engine serves, by name (`--lora-modules`, `LLM.generate(lora_request=...)`).
 
     Every name loaded stays known with its path; past `max_cpu_loras` adapters in memory the least
-    recently used one leaves it, and is read again from its path when a request names it."""
+    recently used one leaves it, and is read again from its path when a request names it. A queued
+    request holds its adapter (`LORA_ADAPTER`), so neither eviction nor `unload` touches requests
+    already queued, and the step loop never reads a file. Safe to call from any thread: files are
+    read outside the lock."""
 
     def __init__(self, model, max_lora_rank: int, max_cpu_loras: int | None = None):
         self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
         self.paths: dict[str, str] = {}
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._lock = threading.Lock()
 
     def load(self, name: str, path: str) -> LoRAAdapter:
         """Load (or return, when the same path is loaded under `name`) an adapter."""
-        have = self.paths.get(name)
+        with self._lock:
+            have = self.paths.get(name)
         if have is not None:
             if os.path.abspath(have) != os.path.abspath(path):
                 raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
             return self.get(name)
         adapter = load_adapter(name, path, self.model, self.max_lora_rank)
-        self.paths[name] = path
-        return self._keep(adapter)
+        with self._lock:
+            self.paths[name] = path
+            return self._keep(adapter)
 
     def unload(self, name: str) -> None:
-        if name not in self.paths:
-            raise ValueError(f"lora_name: adapter {name!r} is not loaded")
-        del self.paths[name]
-        self.adapters.pop(name, None)
+        with self._lock:
+            if name not in self.paths:
+                raise ValueError(f"lora_name: adapter {name!r} is not loaded")
+            del self.paths[name]
+            self.adapters.pop(name, None)
+
+    def names(self) -> dict[str, str]:
+        """Every adapter served, name -> path (in memory or not)."""
+        with self._lock:
+            return dict(self.paths)
 
     def get(self, name: str) -> LoRAAdapter:
         """The adapter `name`, most recently used now (read again from its path if it was evicted)."""
-        adapter = self.adapters.get(name)
-        if adapter is not None:
-            self.adapters.move_to_end(name)
-            return adapter
-        if name not in self.paths:
+        with self._lock:
+            adapter, path = self.adapters.get(name), self.paths.get(name)
+            if adapter is not None:
+                self.adapters.move_to_end(name)
+                return adapter
+        if path is None:
             raise ValueError(f"model: LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
-        return self._keep(load_adapter(name, self.paths[name], self.model, self.max_lora_rank))
+        adapter = load_adapter(name, path, self.model, self.max_lora_rank)
+        with self._lock:
+            return self._keep(adapter) if self.paths.get(name) == path else adapter
 
     def _keep(self, adapter: LoRAAdapter) -> LoRAAdapter:
         self.adapters[adapter.name] = adapter
         while self.max_cpu_loras is not None and len(self.adapters) > self.max_cpu_loras:
-            self.adapters.popitem(last=False)  # a pass holding it keeps its own reference
+            self.adapters.popitem(last=False)  # requests holding it keep their own reference
         return adapter
 
 

@@ -43,7 +43,7 @@ class SequenceFeed:
     logits: bool = True
     num_logits: int = 1
     prompt_logits: tuple[int, int] = (0, 0)
-    lora: str | None = None  # the LoRA adapter these tokens run with (model/lora.py); None: the base model
+    lora: lora.LoRAAdapter | None = None  # the LoRA adapter these tokens run with; None: the base model
 
 
 def use_device(fd_config: FDConfig) -> None:
@@ -192,10 +192,9 @@ class ModelRunner:
 
     def _run_model(self, ids: paddle.Tensor, batch: AttentionBatch, feeds: list[SequenceFeed]) -> paddle.Tensor:
         """The decoder over `ids` (`feeds`' tokens in that order), with each feed's LoRA adapter on its rows."""
-        if self.loras is None or not any(f.lora for f in feeds):
+        if all(f.lora is None for f in feeds):
             return self.model(ids, batch, self.kv_caches)
-        adapters = [None if f.lora is None else self.loras.get(f.lora) for f in feeds for _ in f.tokens]
-        with lora.rows_of_pass(adapters):
+        with lora.rows_of_pass([f.lora for f in feeds for _ in f.tokens]):
             return self.model(ids, batch, self.kv_caches)
 
     def _load_loras(self, fd_config: FDConfig) -> lora.LoRAManager | None:

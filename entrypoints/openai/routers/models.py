@@ -61,9 +61,8 @@ def _model_card(state, name: str) -> dict:
 
 
 def _adapters(state) -> list[tuple[str, str]]:
-    """The LoRA adapters served (`--lora-modules`), as (name, path)."""
-    lora_config = state.async_engine.fd_config.lora_config
-    return [] if lora_config is None else list(lora_config.modules)
+    """The LoRA adapters served (`--lora-modules`, `/v1/load_lora_adapter`), as (name, path)."""
+    return list(state.async_engine.lora_adapters().items())
 
 
 def _adapter_card(state, name: str, path: str) -> dict:
