@@ -15,7 +15,7 @@ import pytest
 from conftest import fixture_dir, load_reference
 
 from fastdeploy_lp import LLM, SamplingParams
-from server_harness import QWEN2, openai_client, serving
+from server_harness import openai_client, serving
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -121,6 +121,31 @@ def test_preempted_prompt_keeps_one_entry_per_token(qwen2):
         _check_against(out.prompt_logprobs, ids_, _plain(plain_llm, ids_), 1, 1e-5)
 
 
+def test_tensor_parallel_ranks_return_the_prompt_rows_too(qwen2):
+    """The rows pass the ranks' pipe (more rows than the shared logits buffer's max_num_seqs)."""
+    inputs, _, plain_llm = qwen2
+    ids = _long_prompt(inputs)
+    llm = LLM(fixture_dir("qwen2"), max_num_seqs=2, device="cpu", tensor_parallel_size=2, max_num_batched_tokens=9)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    outs = llm.generate([ids, inputs[0]], params, use_tqdm=False)
+    for prompt, out in zip([ids, inputs[0]], outs):
+        _check_against(out.prompt_logprobs, prompt, _plain(plain_llm, prompt), 2, 1e-5)
+
+
+def test_speculative_decoding_keeps_prompt_rows_apart_from_draft_rows(qwen2):
+    """A repetitive prompt gets n-gram drafts: prompt logprobs and the generated tokens are those of
+    plain decoding."""
+    inputs, _, plain_llm = qwen2
+    ids = inputs[1] * 4
+    llm = LLM(fixture_dir("qwen2"), max_num_seqs=2, device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    out = llm.generate([ids], params, use_tqdm=False)[0]
+    _check_against(out.prompt_logprobs, ids, _plain(plain_llm, ids), 2, 1e-5)
+    assert out.outputs.token_ids == plain_llm.generate([ids], params, use_tqdm=False)[0].outputs.token_ids
+    assert llm.engine.speculative_stats()["drafted_tokens"] > 0
+
+
 def test_bad_values_name_the_field():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
@@ -159,6 +184,31 @@ def test_lm_eval_request_echo_logprobs_max_tokens_0(client, qwen2):
     vllm = choice.model_extra["prompt_logprobs"]
     assert vllm[0] is None and vllm[1][str(ids[1])]["logprob"] == lp.token_logprobs[1]
     assert {e["rank"] for e in vllm[1].values()} >= {1, 2}
+
+
+def test_lm_eval_local_completions_batch_scores_as_a_plain_forward(client, qwen2):
+    """lm-evaluation-harness's loglikelihood payload (max_tokens 1, logprobs 1, echo, a batch of
+    token-id prompts) read the way its `parse_logprobs` reads it: the continuation's values are
+    `token_logprobs[ctxlen:-1]` (the last entry is the generated token) and it is greedy when each
+    value is the largest of its `top_logprobs`."""
+    inputs, _, llm = qwen2
+    contexts = [_long_prompt(inputs)[:20], inputs[1]]
+    greedy_tokens = llm.generate([inputs[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs.token_ids
+    continuations = [_long_prompt(inputs)[20:26], list(greedy_tokens)]  # the second is the model's greedy one
+    prompts = [c + x for c, x in zip(contexts, continuations)]
+    out = client.completions.create(model="tiny-qwen2", prompt=prompts, temperature=0, max_tokens=1, logprobs=1,
+                                    seed=1234, echo=True)
+    for choice, ctx, ids in zip(sorted(out.choices, key=lambda c: c.index), contexts, prompts):
+        values = choice.logprobs.token_logprobs[len(ctx):-1]
+        tops = choice.logprobs.top_logprobs[len(ctx):-1]
+        ref = _plain(llm, ids)
+        expected = ref[np.arange(len(ctx) - 1, len(ids) - 1), ids[len(ctx):]]
+        assert len(values) == len(ids) - len(ctx)
+        assert abs(sum(values) - expected.sum()) < 1e-4
+        greedy = all(v == max(top.values()) for v, top in zip(values, tops))
+        assert greedy == all(ref[p - 1].argmax() == ids[p] for p in range(len(ctx), len(ids)))
+        assert greedy == (ctx is contexts[1])
 
 
 def test_echo_logprobs_then_generated_tokens_streaming_and_not_with_n_and_batches(client, qwen2):
