@@ -70,12 +70,16 @@ def adapters(tmp_path_factory):
     a = make_adapter(root / "a", rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
     b = make_adapter(root / "b", rank=16, targets=("gate_proj", "up_proj", "down_proj", "q_proj"), seed=2,
                      use_rslora=True)
-    return {"a": a, "b": b, "merged_a": merge(a, root / "merged_a"), "merged_b": merge(b, root / "merged_b")}
+    c = make_adapter(root / "c", rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"), seed=3, scale=0.4)
+    d = make_adapter(root / "d", rank=2, targets=("o_proj", "down_proj"), seed=4, scale=1.0, alpha=7)
+    paths = {"a": a, "b": b, "c": c, "d": d}
+    return {**paths, **{"merged_" + n: merge(p, root / ("merged_" + n)) for n, p in paths.items()}}
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(BASE, enable_lora=True, max_lora_rank=16, max_num_seqs=4, device="cpu", num_blocks=64)
+    return LLM(BASE, enable_lora=True, max_lora_rank=16, max_num_seqs=8, device="cpu", num_blocks=96)
 
 
 def texts(outs):
@@ -87,16 +91,25 @@ def logits(engine_llm, ids, lora=None, blocks=(1, 2, 3)):
     return engine_llm.engine.runner.forward([feed], list(blocks)).numpy()[0]
 
 
-def test_adapter_equals_merged_weights(llm, adapters):
-    ids = llm.tokenizer.encode(PROMPTS[1])
-    base_out = texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    for name in ("a", "b"):
-        request = LoRARequest(name, 1 if name == "a" else 2, adapters[name])
-        got = texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request))
-        merged = LLM(adapters["merged_" + name], max_num_seqs=4, device="cpu", num_blocks=64)
-        assert got == texts(merged.generate(PROMPTS, GREEDY, use_tqdm=False))
-        assert got != base_out  # the adapter changes the greedy output
-        np.testing.assert_allclose(logits(llm, ids, name), logits(merged, ids), atol=1e-4, rtol=0)
+def test_four_adapters_of_different_ranks_batched_with_the_base_equal_their_merged_weights(llm, adapters):
+    """Ranks 4, 16 (rsLoRA), 8 and 2 on different projections, and two base requests, in one
+    generate call (one step): each equals its adapter merged into a full checkpoint."""
+    names = ["a", "b", "c", "d", None, None]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    requests = [n and LoRARequest(n, i + 1, adapters[n]) for i, n in enumerate(names)]
+    got = texts(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests))
+    base = texts(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got[4:] == base[4:]
+    ids = [llm.tokenizer.encode(p)[:10] for p in prompts]
+    feeds = [SequenceFeed([1 + i], t, 0, lora=n and llm.engine.runner.loras.get(n)) for i, (t, n) in
+             enumerate(zip(ids, names))]
+    mixed = llm.engine.runner.forward(feeds, list(range(1, 7))).numpy()  # one pass, every row on its adapter
+    for i, name in enumerate(names[:4]):
+        merged = LLM(adapters["merged_" + name], max_num_seqs=4, device="cpu", num_blocks=32)
+        assert got[i] == texts(merged.generate([prompts[i]], GREEDY, use_tqdm=False))[0], name
+        assert got[i] != base[i], name  # the adapter changes the greedy output
+        np.testing.assert_allclose(mixed[i], logits(merged, ids[i]), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits(llm, ids[i], name), logits(merged, ids[i]), atol=1e-4, rtol=0)
 
 
 def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapters):
@@ -111,6 +124,23 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapte
     mixed = llm.engine.runner.forward(feeds, list(range(1, 7))).numpy()
     for i, (t, n) in enumerate(zip(ids, names)):
         np.testing.assert_allclose(mixed[i], logits(llm, t, n, blocks=(10, 11)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("weights", [{"quantization": "wint8"}, {"quantization": "wint4"}, {"dtype": "bfloat16"}])
+def test_adapters_run_on_every_weight_format(adapters, weights):
+    """The update is added to whatever the base layer computed: on int8, 4-bit and bfloat16 bases a
+    mixed batch gives each row its own result, and the adapter changes the logits as it changes a
+    float32 base's (what is left is the base's rounding)."""
+    llm = LLM(BASE, enable_lora=True, max_lora_rank=16, max_num_seqs=4, device="cpu", num_blocks=64, **weights)
+    requests = [LoRARequest("c", 3, adapters["c"]), LoRARequest("b", 2, adapters["b"]), None]
+    alone = [texts(llm.generate([p], GREEDY, use_tqdm=False, lora_request=[r]))[0] for p, r in zip(PROMPTS, requests)]
+    assert texts(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests)) == alone
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    float_base = LLM(BASE, enable_lora=True, max_lora_rank=16, device="cpu", num_blocks=16)
+    float_base.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 3, adapters["c"]))
+    want = logits(float_base, ids, "c") - logits(float_base, ids)  # what the adapter does to float32 logits
+    got = logits(llm, ids, "c") - logits(llm, ids)
+    assert np.linalg.norm(got - want) < 0.25 * np.linalg.norm(want)  # 0.02 wint8, 0.13 wint4 (no update: 1)
 
 
 def test_prefix_cache_is_not_shared_between_adapters(llm, adapters):
