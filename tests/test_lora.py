@@ -217,10 +217,13 @@ def test_the_server_serves_adapters_by_model_name(adapters):
             out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.choices[0].text == want, name
+            assert out.model == name  # as vLLM: the answer names the adapter (or the base) it ran on
         messages = [{"role": "user", "content": "Tell me a story"}]
         want = merged["a"].chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs.text
         chat = client.chat.completions.create(model="a", messages=messages, max_tokens=8, temperature=0)
-        assert chat.choices[0].message.content == want
+        assert chat.choices[0].message.content == want and chat.model == "a"
+        streamed = client.chat.completions.create(model="a", messages=messages, max_tokens=2, stream=True)
+        assert {c.model for c in streamed} == {"a"}
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="c", prompt="x", max_tokens=1)
         check_runtime_loading(server, client, adapters, wants["b"])

@@ -118,13 +118,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 if o.closed_on_length:  # structured_outputs.close_on_length closed the JSON at max_tokens
                     choice["closed_on_length"] = True
                 choices.append(choice)
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.answer_model(req.model),
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     async def _stream(self, request_id: str, streams: list[RequestStream], n: int, prompts, req: CompletionRequest,
                       include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.model_name
+        model = self.answer_model(req.model)
 
         def chunk(index, text, finish_reason=None, lps=None, error=None, closed_on_length=False):
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}

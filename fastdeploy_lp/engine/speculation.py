@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.engine.draft_model import DraftModelProposer
 from fastdeploy_lp.engine.ngram_proposer import NgramProposer
