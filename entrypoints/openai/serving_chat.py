@@ -53,8 +53,8 @@ class ChatRun:
     reader: dict | None               # `ToolCallParser` kwargs; None: no calls are read from the output
     thinking: ReasoningState | None   # where the output starts; None: no reasoning parser (or not split)
     prefix: str                       # the echoed partial answer
+    answer_model: str                 # the name the answer gives: the served model's, or the adapter's
     include_reasoning: bool = True    # False: the reasoning is split off and dropped
-    model: str = ""                   # the name the answer gives: the served model's, or the adapter's
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -99,8 +99,8 @@ class OpenAIServingChat(OpenAIServing):
         if tools_active:  # how calls are read: only the tools' names, and one call when parallel is off
             reader = {"names": [t.function.name for t in req.tools],
                       "max_calls": 1 if req.parallel_tool_calls is False else None}
-        return ChatRun(stream, params.n, backend, reader, thinking, _echo_prefix(req),
-                       include_reasoning=req.include_reasoning is not False, model=self.answer_model(req.model))
+        return ChatRun(stream, params.n, backend, reader, thinking, _echo_prefix(req), self.answer_model(req.model),
+                       include_reasoning=req.include_reasoning is not False)
 
     def render(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters `req` would run with, validated as
@@ -186,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
                 choice["closed_on_length"] = True
             choices.append(choice)
         response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                    "model": run.model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+                    "model": run.answer_model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         first = finals[min(finals)] if finals else None
         if first is not None and first.prompt_logprobs is not None:  # vLLM's field: the prompt is the choices'
             response["prompt_logprobs"] = self.vllm_prompt_logprobs(first.prompt_logprobs)
@@ -220,7 +220,7 @@ class _ChatChunks:
     def __init__(self, serving: OpenAIServingChat, request_id: str, run: ChatRun, include_usage: bool,
                  want_logprobs: bool):
         self.serving = serving
-        self.request_id, self.created, self.model = request_id, int(time.time()), run.model
+        self.request_id, self.created, self.model = request_id, int(time.time()), run.answer_model
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
         n = run.n
         self.parsers = [ToolCallParser(**run.reader) for _ in range(n)] if run.reader is not None else None

@@ -105,7 +105,7 @@ class AnthropicServingMessages:
                     for c in calls]
         called = bool(calls) and all(c["complete"] for c in calls)
         stop_reason, stop_sequence = _stop_reason(o.finish_reason, called, o.stop_reason)
-        return {"id": message_id, "type": "message", "role": "assistant", "model": run.model,
+        return {"id": message_id, "type": "message", "role": "assistant", "model": run.answer_model,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(o.token_ids)}}
 
@@ -124,7 +124,7 @@ class _MessageEvents:
     """Anthropic's stream events for one request, one engine output at a time."""
 
     def __init__(self, chat: OpenAIServingChat, message_id: str, run: ChatRun):
-        self.message_id, self.model = message_id, run.model
+        self.message_id, self.model = message_id, run.answer_model
         self.reasoning = ReasoningStream(chat.reasoning, run.thinking) if run.thinking is not None else None
         self.parser = ToolCallParser(**run.reader) if run.reader is not None else None
         self.started = False

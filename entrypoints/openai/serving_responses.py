@@ -102,7 +102,7 @@ class _Shape:
         chat = serving.chat
         reasoning = ReasoningStream(chat.reasoning, run.thinking) if run.thinking is not None else None
         self.builder = OutputBuilder(reasoning, ToolCallParser(**run.reader) if run.reader is not None else None)
-        self.response = _response_object(req, run.model)
+        self.response = _response_object(req, run.answer_model)
         self.closing: list[dict[str, Any]] = []  # the events `finish` ended the output with
         self.sequence = 0
 
