@@ -270,7 +270,7 @@ def _output(delta: str, text: str, finished: bool, finish: str | None = None) ->
 
 def test_reasoning_comes_out_as_a_thinking_block_before_the_text():
     chat = types.SimpleNamespace(model_name=MODEL, reasoning=REASONING_PARSERS["deepseek_r1"])
-    run = ChatRun(stream=None, n=1, backend=None, reader=None, thinking=ReasoningState.REASONING, prefix="")
+    run = ChatRun(stream=None, n=1, backend=None, reader=None, thinking=ReasoningState.REASONING, prefix="", answer_model="m")
     events = _MessageEvents(chat, "msg_1", run)
     frames = events.output(_output("Let me think", "Let me think", False))
     frames += events.output(_output("</think>Paris", "Let me think</think>Paris", True, "stop"))
