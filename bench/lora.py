@@ -1,4 +1,4 @@
-"""What LoRA costs a decode step: batch 8 on 8 different adapters against 8 base-model requests, one run.
+"""What LoRA costs a decode step: batch 8 on 8 different adapters against 8 base-model requests.
 
     python bench/make_bench_model.py            # once: the Qwen2.5-0.5B-shaped random checkpoint
     python bench/lora.py --model bench/models/qwen2.5-0.5b-random --rank 16 --weights bfloat16
@@ -6,7 +6,9 @@
 Writes `--adapters` random rank-`--rank` PEFT adapters on every projection (q/k/v/o, gate/up/down)
 into a temporary directory, then times greedy decoding of `--batch` random prompts of
 `--prompt-len` tokens: decode tokens/s is measured between a run of `--output-len` tokens and a run
-of 1 token, so prefill cancels out. Rows: the base model alone, then one adapter per request.
+of 1 token, so prefill cancels out. Configurations: the base model alone, every request on one
+adapter, one adapter per request; `--repeats` rounds interleaved, the median reported. Prints a
+table, then the same numbers as JSON.
 """
 
 from __future__ import annotations
@@ -50,15 +52,19 @@ def write_adapter(path: str, config: dict, rank: int, seed: int) -> str:
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], output_len: int, lora_request) -> float:
-    """Decode tokens/s of the batch: (output_len - 1) tokens a request, over the time they add."""
-    times = []
-    for n in (1, output_len):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
-        times.append(time.perf_counter() - start)
-    return len(prompts) * (output_len - 1) / (times[1] - times[0])
+    """Decode tokens/s of the batch, the engine stepped as `bench/throughput.py` does: (output_len - 1)
+    tokens a request, from the last first token to the last token, so prefill is left out."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    per_prompt = llm._with_adapters(len(prompts), params, lora_request) if lora_request else [params] * len(prompts)
+    engine, first, last = llm.engine, {}, 0.0
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+        engine.add_request(prompt, p, request_id=str(i))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = time.perf_counter()
+            first.setdefault(out.request_id, last)
+    return len(prompts) * (output_len - 1) / (last - max(first.values()))
 
 
 def main() -> None:
@@ -70,6 +76,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=33)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
@@ -81,13 +88,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         requests = [LoRARequest(f"a{i}", i + 1, write_adapter(os.path.join(root, f"a{i}"), config, args.rank, i))
                     for i in range(args.adapters)]
-        per_row = [requests[i % args.adapters] for i in range(args.batch)]
-        decode_rate(llm, prompts, 3, per_row)  # warm-up: adapters loaded, kernels measured
-        base = decode_rate(llm, prompts, args.output_len, None)
-        lora = decode_rate(llm, prompts, args.output_len, per_row)
-    print(f"{args.model} {args.weights}, batch {args.batch}, rank {args.rank}, {args.adapters} adapters on "
-          f"every projection:\n  base     {base:8.1f} tok/s\n  adapters {lora:8.1f} tok/s  ({lora / base:.2f}x)")
-
+        configurations = {"base": None, "one adapter": [requests[0]] * args.batch,
+                          f"{args.adapters} adapters": [requests[i % args.adapters] for i in range(args.batch)]}
+        decode_rate(llm, prompts, 3, configurations[f"{args.adapters} adapters"])  # warm-up: adapters loaded
+        rates = {name: [] for name in configurations}
+        for _ in range(args.repeats):
+            for name, lora_request in configurations.items():
+                rates[name].append(decode_rate(llm, prompts, args.output_len, lora_request))
+    median = {name: float(np.median(r)) for name, r in rates.items()}
+    print(f"{args.model} {args.weights}, batch {args.batch}, rank {args.rank}, adapters on every projection, "
+          f"median of {args.repeats}:\n\n| requests | decode tok/s | vs base | runs |\n|---|---:|---:|---|")
+    for name, rate in median.items():
+        print(f"| {name} | {rate:.1f} | {rate / median['base']:.2f}x | {', '.join(f'{r:.1f}' for r in rates[name])} |")
+    print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch, "rank": args.rank,
+                      "tok_s": median, "runs": rates}))
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """The ctypes side of the CPU kernels agrees with the C side: every `fdlp_*` function the bindings
-call has, in `CpuKernels`, exactly the argument and return types of its C definition, and the two
-structs passed by pointer (`fdlp_linear_t`, `fdlp_attention_t`) have the same fields in the same
-order and types in C and in Python. The C side is read from the preprocessed source (macro-made
+call has, in `CpuKernels`, exactly the argument and return types of its C definition, and the
+structs passed by pointer (`fdlp_linear_t`, `fdlp_attention_t`, the LoRA ones) have the same fields
+in the same order and types in C and in Python. The C side is read from the preprocessed source (macro-made
 functions included), with the compiler the build uses; a mismatch would otherwise pass arguments
 silently wrong."""
 
@@ -18,6 +18,7 @@ import pytest
 from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model.cpu_kernels import _Attention, _Linear
 from fastdeploy_lp.model.cpu_kernels.build import SOURCE
+from fastdeploy_lp.model.cpu_kernels.structs import _LoRA, _LoRAWeight
 
 _SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "double": ctypes.c_double, "float": ctypes.c_float,
             "void": None}
@@ -94,7 +95,8 @@ def test_every_bound_function_has_its_c_signature(kernels):
     assert wrong == [], "\n".join(wrong)
 
 
-@pytest.mark.parametrize("struct, c_name", [(_Linear, "fdlp_linear_t"), (_Attention, "fdlp_attention_t")])
+@pytest.mark.parametrize("struct, c_name", [(_Linear, "fdlp_linear_t"), (_Attention, "fdlp_attention_t"),
+                                            (_LoRAWeight, "fdlp_lora_weight_t"), (_LoRA, "fdlp_lora_t")])
 def test_the_structs_match_their_c_typedefs(struct, c_name):
     python = []
     for field, kind in struct._fields_:

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from fastdeploy_lp import LLM, LoRARequest, SamplingParams
 from fastdeploy_lp.config import EngineArgs
+from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model_config import default_model_path
 from fastdeploy_lp.model.runner import SequenceFeed
 
@@ -124,6 +125,27 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapte
     mixed = llm.engine.runner.forward(feeds, list(range(1, 7))).numpy()
     for i, (t, n) in enumerate(zip(ids, names)):
         np.testing.assert_allclose(mixed[i], logits(llm, t, n, blocks=(10, 11)), atol=1e-4, rtol=0)
+
+
+def test_the_fused_call_adds_the_update_as_paddle_ops_do(llm, adapters, monkeypatch):
+    """A pass of one sequence runs every layer in one C call with the adapter's update inside it
+    (fdlp_lora_update); with the CPU kernels off, Paddle ops per adapter: the same logits."""
+    lora_args, fused = [], cpu_kernels.CpuKernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "decoder_layers",
+                        lambda self, *args: lora_args.append(args[3]) or fused(self, *args))
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels are not built on this machine")
+    ids, before = llm.tokenizer.encode(PROMPTS[1])[:9], cpu_kernels.mode()
+    try:
+        cpu_kernels.set_mode("1")
+        in_c = logits(llm, ids, "c", blocks=(20, 21))
+        cpu_kernels.set_mode("0")
+        in_paddle = logits(llm, ids, "c", blocks=(20, 21))
+    finally:
+        cpu_kernels.set_mode(before)
+    assert len(lora_args) == 1 and lora_args[0] is not None  # the fused call ran once, with the adapter
+    np.testing.assert_allclose(in_c, in_paddle, atol=1e-4, rtol=0)
+    assert np.abs(in_c - logits(llm, ids, blocks=(20, 21))).max() > 1e-2  # and the adapter changed them
 
 
 @pytest.mark.parametrize("weights", [{"quantization": "wint8"}, {"quantization": "wint4"}, {"dtype": "bfloat16"}])

@@ -104,10 +104,9 @@ class DecoderForCausalLM(nn.Layer):
         x = self.embed(input_ids)
         # Every layer has the same shape and this pass's rows: whether they all run in one kernel
         # call is decided once per pass.
-        # A pass with an adapter runs op by op: the update goes between the fused call's kernels.
-        fused = None if kv_caches is None or lora.active() is not None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
+        fused = None if kv_caches is None else fused_layer_kernels(self.layers[0], x, batch, kv_caches[0])
         if fused is not None:
-            return run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches, self.norm)
+            return run_fused_layers(fused, self.layers, x, batch, self.rotary, kv_caches, self.norm, lora.active())
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, self.rotary, None if kv_caches is None else kv_caches[i])
         return self.norm(x)

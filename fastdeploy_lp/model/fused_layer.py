@@ -33,10 +33,11 @@ def fused_layer_kernels(layer, x: paddle.Tensor, batch: AttentionBatch, kv_cache
 
 
 def run_fused_layers(kernels: cpu_kernels.CpuKernels, layers, x: paddle.Tensor, batch: AttentionBatch,
-                     rotary: RotaryEmbedding, kv_caches, final_norm: RMSNorm) -> paddle.Tensor:
+                     rotary: RotaryEmbedding, kv_caches, final_norm: RMSNorm, lora_pass=None) -> paddle.Tensor:
     """Every layer of `layers` (a model's `DecoderLayer`s, `kv_caches` theirs) over `x` and then the
     model's `final_norm` in one call, where `fused_layer_kernels` allows it for the first (all layers
-    are alike). The norm as a Paddle op of its own cost a batch-1 step 0.2 ms."""
+    are alike), with the rows' LoRA adapters (`lora.LoRAPass`, None: none) after each linear. The
+    norm as a Paddle op of its own cost a batch-1 step 0.2 ms."""
     rotary.check_table(batch)
     for cache in kv_caches:
         zero_fresh_blocks(batch, cache)
@@ -47,7 +48,8 @@ def run_fused_layers(kernels: cpu_kernels.CpuKernels, layers, x: paddle.Tensor, 
         cos=rotary.cos, sin=rotary.sin, positions=batch.positions, write_rows=batch.write_rows, tables=tables,
         lens=lens, seqs=len(group.lens), new_tokens=group.new, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
         dim=attn.head_dim, block_size=group.block_size, max_len=max_len, scale=attn.scale)
-    return kernels.decoder_layers(x, _stack(layers, kv_caches, final_norm), attention)
+    return kernels.decoder_layers(x, _stack(layers, kv_caches, final_norm), attention,
+                                  None if lora_pass is None else lora_pass.kernel_inputs())
 
 
 def _stack(layers, kv_caches, final_norm: RMSNorm) -> cpu_kernels.LayerStack:

@@ -8,11 +8,13 @@ Each targeted projection gets `y = base(x) + scaling * (x @ A^T) @ B^T`, `scalin
 
 The model holds q/k/v and gate/up fused (`layers.py`), so an adapter's projections are fused the
 same way when it loads: the A matrices of q, k and v stacked `[r_q + r_k + r_v, in]`, their B
-matrices (times the scaling) on the block diagonal of `[q + 2 kv, r_q + r_k + r_v]`. A pass then
-runs the base GEMM over all its rows once, whatever the weight format, and `add` adds each active
-adapter's update to its own rows: gather them, two small float32 matmuls, scatter-add (the
-segmented form of Punica / S-LoRA). Rows without an adapter cost nothing, and a pass without any
-adapter never enters this module (`active()` is None).
+matrices transposed and scaled side by side in one `[r, q + 2 kv]`, each segment reading its own
+columns of `x @ A^T`. A pass runs the base linear over all its rows once, whatever the weight
+format, then each row's adapter update: on CPU in the C kernels (`fdlp_lora_update`, inside the
+fused decoder-layer call as between Paddle ops), each adapter's A and B read once for all its rows,
+the segmented form of Punica / S-LoRA; elsewhere with Paddle ops per adapter (gather its rows, two
+matmuls, scatter-add). Rows without an adapter cost nothing, and a pass without any adapter never
+enters this module (`active()` is None).
 """
 
 from __future__ import annotations
@@ -29,12 +31,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model.cpu_kernels.structs import LoRAInputs, lora_table
+
 LORA_NAME = "lora_name"  # `SamplingParams.extra` key: the name of the adapter a request runs with
 LORA_ADAPTER = "lora_adapter"  # and the `LoRAAdapter` itself, set by the engine when the request is queued
 
 # PEFT module name -> (the fused weight here, its segment: q, k, v of qkv; gate, up of gate_up)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+PANEL = 16  # B^T is held in panels of this many outputs (layer.h's LORA_PANEL), as the C kernels read it
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the C kernels' order (layer.h)
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -50,13 +57,24 @@ class LoRARequest:
 
 @dataclass
 class LoRAAdapter:
-    """One loaded adapter: per (layer, fused weight) its stacked A `[R, in]` and block-diagonal,
-    scaled B `[out, R]`, float32."""
+    """One loaded adapter, float32: per (layer, fused weight) its stacked A `[a_rows, in]`, scaled
+    B^T in panels `[ceil(out / PANEL), rank, PANEL]` and per output segment the first column of `x @ A^T` it reads (-1: not
+    targeted); `outs` each fused weight's output segments."""
 
     name: str
     path: str
     rank: int
-    weights: dict[tuple[int, str], tuple[paddle.Tensor, paddle.Tensor]] = field(default_factory=dict)
+    layers: int
+    outs: dict[str, list[int]]
+    weights: dict[tuple[int, str], tuple[paddle.Tensor, paddle.Tensor, tuple[int, ...]]] = field(default_factory=dict)
+    _table: object = None  # the weights as the C kernels read them, built at first use
+
+    def kernel_table(self):
+        """`lora_table` of the adapter's updates, 4 per layer in layer.h's order."""
+        if self._table is None:
+            self._table = lora_table([self.weights.get((layer, fused)) for layer in range(self.layers)
+                                                  for fused in LINEARS])
+        return self._table
 
 
 def fused_shapes(model) -> tuple[int, dict[str, tuple[int, list[int]]]]:
@@ -112,7 +130,7 @@ def load_adapter(name: str, path: str, model, max_rank: int) -> LoRAAdapter:
             raise ValueError(f"target_modules: adapter {name!r} has {key!r}, but the base model has {layers} layers")
         fused, segment = TARGETS[m.group(3)]
         pieces.setdefault((layer, fused), {}).setdefault(segment, {})[m.group(4)] = value
-    adapter = LoRAAdapter(name, path, rank)
+    adapter = LoRAAdapter(name, path, rank, layers, {fused: outs for fused, (_, outs) in shapes.items()})
     for (layer, fused), segments in pieces.items():
         adapter.weights[(layer, fused)] = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling)
     if not adapter.weights:
@@ -121,24 +139,31 @@ def load_adapter(name: str, path: str, model, max_rank: int) -> LoRAAdapter:
 
 
 def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, list[int]], rank: int,
-          scaling: float) -> tuple[paddle.Tensor, paddle.Tensor]:
+          scaling: float) -> tuple[paddle.Tensor, paddle.Tensor, tuple[int, ...]]:
     in_features, outs = shape
     offsets = np.cumsum([0] + outs)
-    a_rows, b = [], np.zeros((offsets[-1], rank * len(segments)), dtype=np.float32)
+    a_rows, bt, columns = [], np.zeros((rank, offsets[-1]), dtype=np.float32), [-1] * len(outs)
     for k, (segment, ab) in enumerate(sorted(segments.items())):
         module = next(m for m, t in TARGETS.items() if t == (fused, segment))
         where = f"adapter {name!r} layers.{layer}.{module}"
         if set(ab) != {"A", "B"}:
             raise ValueError(f"target_modules: {where} has lora_{''.join(ab)} without its pair")
-        a, bb = ab["A"], ab["B"]
+        a, b = ab["A"], ab["B"]
         if a.shape != (rank, in_features):
             raise ValueError(f"lora_A: {where} is {list(a.shape)}, the base layer needs [{rank}, {in_features}] (r, in)")
-        if bb.shape != (outs[segment], rank):
-            raise ValueError(f"lora_B: {where} is {list(bb.shape)}, the base layer needs [{outs[segment]}, {rank}] "
+        if b.shape != (outs[segment], rank):
+            raise ValueError(f"lora_B: {where} is {list(b.shape)}, the base layer needs [{outs[segment]}, {rank}] "
                              "(out, r)")
         a_rows.append(a)
-        b[offsets[segment]:offsets[segment + 1], k * rank:(k + 1) * rank] = scaling * bb
-    return paddle.to_tensor(np.concatenate(a_rows)), paddle.to_tensor(b)
+        bt[:, offsets[segment]:offsets[segment + 1]] = scaling * b.T
+        columns[segment] = k * rank
+    panels = np.pad(bt, ((0, 0), (0, -offsets[-1] % PANEL))).reshape(rank, -1, PANEL).transpose(1, 0, 2)
+    return paddle.to_tensor(np.concatenate(a_rows)), paddle.to_tensor(np.ascontiguousarray(panels)), tuple(columns)
+
+
+def unpanel(bt: paddle.Tensor, out: int) -> paddle.Tensor:
+    """B^T `[rank, out]` from its panels `[ceil(out / PANEL), rank, PANEL]`."""
+    return bt.transpose([1, 0, 2]).reshape([bt.shape[1], -1])[:, :out]
 
 
 class LoRAManager:
@@ -204,32 +229,23 @@ class LoRAManager:
 @dataclass
 class LoRAPass:
     """The adapters of the pass running now: `groups` [(adapter, its row indices, None: every row)],
-    and for passes mixing adapters `row_owner` (each row's index in `groups`, -1: the base)."""
+    and `row_owner` (each row's index in `groups`, -1: the base)."""
 
     groups: list[tuple[LoRAAdapter, paddle.Tensor | None]]
     row_owner: np.ndarray
-    masks: dict[tuple, paddle.Tensor] = field(default_factory=dict)
+    _kernel_inputs: object = None
 
-    def mask(self, owners: np.ndarray) -> paddle.Tensor:
-        """`[rows, R]` float32: 1 where column j of a stacked A (`owners[j]`: the group it belongs to)
-        is the row's own adapter, else 0. Built once per pass and column layout."""
-        key = owners.tobytes()
-        if key not in self.masks:
-            self.masks[key] = paddle.to_tensor((self.row_owner[:, None] == owners[None, :]).astype(np.float32))
-        return self.masks[key]
+    def kernel_inputs(self) -> LoRAInputs:
+        """The pass's adapters as the C kernels take them, built once per pass."""
+        if self._kernel_inputs is None:
+            self._kernel_inputs = LoRAInputs.of([a.kernel_table() for a, _ in self.groups], self.row_owner)
+        return self._kernel_inputs
 
 
 class _ThreadState(threading.local):
-    """Per thread (engines of one process may step on threads of their own): the pass running now,
-    and the active adapters' A and B stacked per (layer, fused weight) for the last mix of adapters
-    seen (decode steps run the same mix step after step), with that mix held so its ids stay theirs."""
+    """Per thread (engines of one process may step on threads of their own): the pass running now."""
 
     active: LoRAPass | None = None
-    mix: tuple[LoRAAdapter, ...] = ()
-    stacked: dict[tuple[int, str], tuple[paddle.Tensor, paddle.Tensor, np.ndarray] | None]
-
-    def __init__(self):
-        self.stacked = {}
 
 
 _state = _ThreadState()
@@ -259,43 +275,29 @@ def rows_of_pass(row_adapters: list[LoRAAdapter | None]):
 
 
 def add(layer: int, fused: str, x: paddle.Tensor, out: paddle.Tensor) -> paddle.Tensor:
-    """`out` (the base linear's output over `x`) plus each row's adapter update: with one adapter
-    in the pass, its rows gathered, two matmuls, scatter-added; with several, every adapter's A and
-    B stacked (once per mix of adapters), so the pass costs two matmuls and a mask whatever the mix
-    (the columns of other adapters are zeroed row by row: exact zeros, each row gets its own). At
-    batch 8 on 8 rank-16 adapters (bench/lora.py) the stacked form decoded 28-37 tok/s where a
-    gather/matmul/scatter per adapter decoded 24-26."""
-    x32, lora_pass = (x if x.dtype == paddle.float32 else x.astype("float32")), _state.active
-    if len(lora_pass.groups) > 1:
-        stacked = _stack(lora_pass, layer, fused)
-        if stacked is None:
-            return out
-        shrunk = paddle.matmul(x32, stacked[0], transpose_y=True) * lora_pass.mask(stacked[2])
-        update = paddle.matmul(shrunk, stacked[1], transpose_y=True)
-        return out + (update if update.dtype == out.dtype else update.astype(out.dtype))
+    """`out` (the base linear's output over `x`) plus each row's adapter update. On CPU the C
+    kernels add it in place, as the fused decoder-layer call does (the same values whichever path
+    a pass takes); elsewhere Paddle ops per adapter."""
+    lora_pass = _state.active
+    if (x.place.is_cpu_place() and x.dtype == out.dtype == paddle.float32 and out.is_contiguous()
+            and (kernels := cpu_kernels.load()) is not None):
+        outs = lora_pass.groups[0][0].outs[fused]
+        kernels.lora_update(lora_pass.kernel_inputs(), 4 * layer + LINEARS.index(fused), x, out, outs)
+        return out
+    x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     for adapter, rows in lora_pass.groups:
-        ab = adapter.weights.get((layer, fused))
-        if ab is None:
+        if (layer, fused) not in adapter.weights:
             continue
+        a, panels, columns = adapter.weights[(layer, fused)]
+        bt = unpanel(panels, sum(adapter.outs[fused]))
         xs = x32 if rows is None else paddle.index_select(x32, rows)
-        update = paddle.matmul(paddle.matmul(xs, ab[0], transpose_y=True), ab[1], transpose_y=True)
+        shrunk, parts, start = paddle.matmul(xs, a, transpose_y=True), [], 0
+        for width, column in zip(adapter.outs[fused], columns):
+            parts.append(paddle.zeros([xs.shape[0], width], dtype="float32") if column < 0 else
+                         paddle.matmul(shrunk[:, column:column + adapter.rank], bt[:, start:start + width]))
+            start += width
+        update = paddle.concat(parts, axis=1) if len(parts) > 1 else parts[0]
         if update.dtype != out.dtype:
             update = update.astype(out.dtype)
         out = out + update if rows is None else paddle.index_add(out, rows, 0, update)
     return out
-
-
-def _stack(lora_pass: LoRAPass, layer: int, fused: str) -> tuple[paddle.Tensor, paddle.Tensor, np.ndarray] | None:
-    """The pass's adapters' A `[R, in]` and B `[out, R]` for one fused weight, concatenated on R,
-    and the group of each of the R columns; None when no adapter of the pass targets it."""
-    mix = tuple(a for a, _ in lora_pass.groups)
-    if len(mix) != len(_state.mix) or any(a is not b for a, b in zip(mix, _state.mix)):
-        _state.mix, _state.stacked = mix, {}  # another mix: the stacks of the last one go
-    key, stacked = (layer, fused), _state.stacked
-    if key not in stacked:
-        parts = [(g, a.weights[(layer, fused)]) for g, (a, _) in enumerate(lora_pass.groups)
-                 if (layer, fused) in a.weights]
-        stacked[key] = None if not parts else (
-            paddle.concat([ab[0] for _, ab in parts]), paddle.concat([ab[1] for _, ab in parts], axis=1),
-            np.concatenate([np.full(ab[0].shape[0], g, dtype=np.int64) for g, ab in parts]))
-    return stacked[key]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +41,7 @@ import paddle
 from fastdeploy_lp import envs
 from fastdeploy_lp.model import cpu_features
 from fastdeploy_lp.model.cpu_kernels.build import build
+from fastdeploy_lp.model.cpu_kernels.structs import LayerStack, LoRAInputs, PagedAttention, _Attention, _Linear, _ptr
 from fastdeploy_lp.block_formats import FLOAT_DTYPES, FORMATS, WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -112,87 +112,6 @@ def for_op(op: str, rows: int) -> CpuKernels | None:
     return kernels if _plan.get(f"{op}:{bucket(op, rows)}", False) else None
 
 
-@dataclass
-class PagedAttention:
-    """A pass's attention inputs for `CpuKernels.decoder_layers`, as `rotary_cache_write` and
-    `paged_attention` take them for one sequence group (each layer's cache aside: `LayerStack`)."""
-
-    cos: paddle.Tensor
-    sin: paddle.Tensor
-    positions: paddle.Tensor
-    write_rows: paddle.Tensor
-    tables: paddle.Tensor
-    lens: paddle.Tensor
-    seqs: int
-    new_tokens: int
-    heads: int
-    kv_heads: int
-    dim: int
-    block_size: int
-    max_len: int
-    scale: float
-
-
-class _Linear(ctypes.Structure):  # layer.h's fdlp_linear_t
-    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("parts", ctypes.c_int64), ("format", ctypes.c_int64 * 3), ("rows", ctypes.c_int64 * 3)]
-
-    @classmethod
-    def of(cls, weight: paddle.Tensor, scale: paddle.Tensor | None, bias: paddle.Tensor | None,
-           layout: WeightLayout | None) -> "_Linear":
-        """A weight held as one Paddle dtype (`_FORMATS`), or as the bytes `layout` describes."""
-        parts = ([(_FORMATS[weight.dtype], weight.shape[0])] if layout is None
-                 else [(FORMATS[name].code, rows) for name, rows in layout.parts])
-        codes, rows = [code for code, _ in parts], [n for _, n in parts]
-        return cls(weight.data_ptr(), _ptr(scale), _ptr(bias), len(parts), (ctypes.c_int64 * 3)(*codes),
-                   (ctypes.c_int64 * 3)(*rows))
-
-
-class _Attention(ctypes.Structure):  # layer.h's fdlp_attention_t
-    _fields_ = ([(name, ctypes.c_void_p) for name in
-                 ("cos", "sin", "positions", "write_rows", "tables", "lens", "k_cache", "v_cache")]
-                + [(name, ctypes.c_int64) for name in ("seqs", "new_tokens", "heads", "kv_heads", "dim", "block_size",
-                                                         "table_width", "max_len")]
-                + [("scale", ctypes.c_float)])
-
-
-_FORMATS = {paddle.float32: 0, paddle.bfloat16: 1, paddle.float16: 2, paddle.int8: 3}  # layer.h's linear_of
-
-
-@dataclass
-class LayerStack:
-    """What `decoder_layers` reads of a model's layers and KV caches, whose tensors stay where they
-    are: built once (`model/fused_layer.py` keeps it), as the C arrays layer.h takes."""
-
-    tensors: list  # what the pointers point into, kept alive with them
-    norms: ctypes.Array        # 2 per layer
-    final_norm: int            # the model's norm after the last layer
-    linears: ctypes.Array      # 4 per layer: q/k/v, o, gate/up, down
-    caches: ctypes.Array       # 2 per layer: keys, values
-    layers: int
-    hidden: int
-    inter: int
-    eps: float
-
-    @classmethod
-    def of(cls, norms: list[tuple], linears: list[tuple], caches: list[tuple], final_norm: paddle.Tensor, inter: int,
-           eps: float) -> "LayerStack":
-        """`norms` (norm1, norm2 weights), `linears` (4 (weight, scale, bias, layout) each) and
-        `caches` (keys, values) per layer, all layers alike but for the weights' formats; the
-        `final_norm` weight; `inter` the MLP width."""
-        flat = [t for layer in linears for lin in layer for t in lin[:3]]
-        return cls(tensors=[*flat, *(t for pair in norms + caches for t in pair), final_norm],
-                   norms=(ctypes.c_void_p * (2 * len(norms)))(*(w.data_ptr() for pair in norms for w in pair)),
-                   final_norm=final_norm.data_ptr(),
-                   linears=(_Linear * (4 * len(linears)))(*(_Linear.of(*lin) for layer in linears for lin in layer)),
-                   caches=(ctypes.c_void_p * (2 * len(caches)))(*(c.data_ptr() for pair in caches for c in pair)),
-                   layers=len(linears), hidden=norms[0][0].shape[0], inter=inter, eps=eps)
-
-
-def _ptr(tensor: paddle.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 class CpuKernels:
     """ctypes bindings of `kernels.c`, taking and returning float32 Paddle CPU tensors."""
 
@@ -251,15 +170,19 @@ class CpuKernels:
         self._rms_norm, self.set_batch_invariant = library.fdlp_rms_norm, library.fdlp_set_batch_invariant
         self._rms_norm.argtypes, self.set_batch_invariant.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int], [c_int]
         self._layers = library.fdlp_decoder_layers
-        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 4 + [c_int]
+        self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 5 + [c_int]
         self._layers.restype = c_int
+        self._lora_update = library.fdlp_lora_update
+        self._lora_update.argtypes = [ptr, i64, ptr, ptr] + [i64] * 3 + [ptr, i64, c_int]
         for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._rms_norm,
-                   self.set_batch_invariant):
+                   self.set_batch_invariant, self._lora_update):
             fn.restype = None
 
-    def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention) -> paddle.Tensor:
+    def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention,
+                       lora: LoRAInputs | None = None) -> paddle.Tensor:
         """Every layer of `stack` over the `[T, hidden]` tokens `x` of one sequence group (layer.h),
-        with the pass's `attention` inputs. Returns the last layer's output through the final norm."""
+        with the pass's `attention` inputs and its rows' `lora` adapters. Returns the last layer's
+        output through the final norm."""
         x = x if x.is_contiguous() else x.contiguous()
         rows, hidden = x.shape
         at = attention
@@ -272,9 +195,18 @@ class CpuKernels:
                                       at.tables.shape[1], at.max_len, at.scale)
         if self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
                         stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
-                        ctypes.byref(attention_struct), work.data_ptr(), _threads):
+                        ctypes.byref(attention_struct), None if lora is None else ctypes.byref(lora.struct),
+                        work.data_ptr(), _threads):
             raise MemoryError("decoder layers: no memory for the block-format linears' buffers")
         return out
+
+    def lora_update(self, lora: LoRAInputs, linear: int, x: paddle.Tensor, y: paddle.Tensor, widths: list[int]) -> None:
+        """y += each row's adapter update of linear `linear` (4 per layer) over x, in place; float32
+        `[rows, in]` and `[rows, out]`, `widths` the output's segments (layer.h's fdlp_lora_update)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        segments = (ctypes.c_int64 * len(widths))(*widths)
+        self._lora_update(ctypes.byref(lora.struct), linear, x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
+                          y.shape[1], segments, len(widths), _threads)
 
     def rms_norm(self, x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
         """RMSNorm over the last axis of float32 x, each row as the fused layers sum it (layer.h)."""

@@ -135,6 +135,111 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
     return 0;
 }
 
+/* dot(a, b, n) with four chains of adds, not one: a LoRA A row is read once, so its dot product
+ * with x runs at the rate of the adds' latency otherwise. */
+static inline float dot4(const float *a, const float *b, int64_t n) {
+    vec acc[4] = {{0}};
+    int64_t i = 0;
+    for (; i + 4 * LANES <= n; i += 4 * LANES)
+        for (int j = 0; j < 4; j++) acc[j] += load(a + i + j * LANES) * load(b + i + j * LANES);
+    vec sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (; i + LANES <= n; i += LANES) sum += load(a + i) * load(b + i);
+    float s = lane_sum(sum);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* One adapter's LoRA update of one linear (model/lora.py): `a` [a_rows, in], the A matrices of
+ * the segments it targets stacked (q, k, v of q/k/v; gate, up of gate/up; or the one), and `bt`,
+ * its B matrices transposed and scaled, each over its own segment's outputs (those of segments it
+ * does not target zero), in panels of LORA_PANEL outputs: [ceil(out / LORA_PANEL), rank,
+ * LORA_PANEL], so the update of a run of outputs reads one contiguous stream (as [rank, out] it read
+ * `rank` streams a row apart, at half the memory's rate). Output segment s reads columns
+ * [column[s], column[s] + rank) of x @ a^T; -1: not targeted. `a` NULL: the adapter leaves this
+ * linear alone. */
+#define LORA_PANEL 16 /* a multiple of every LANES, so a vector never straddles two panels */
+typedef struct {
+    const float *a, *bt;
+    int64_t rank, a_rows, column[FDLP_PARTS];
+} fdlp_lora_weight_t;
+
+/* The LoRA adapters of a pass: row m of x runs with adapter row_adapter[m] (-1: the base), whose
+ * update of linear j of layer l (j: q/k/v, o, gate/up, down) is weights[row_adapter[m]][4 l + j].
+ * `shrunk` holds rows * stride floats, stride at least every a_rows. */
+typedef struct {
+    int64_t adapters, stride;
+    const int64_t *row_adapter;
+    const fdlp_lora_weight_t **weights;
+    float *shrunk;
+} fdlp_lora_t;
+
+/* Where output o's B^T column starts in its panel (its rank values LORA_PANEL floats apart). */
+static inline const float *lora_panel(const fdlp_lora_weight_t *w, int64_t o) {
+    return w->bt + (o / LORA_PANEL * w->rank) * LORA_PANEL + o % LORA_PANEL;
+}
+
+/* out[o] += t @ B^T[:, o], the one output a vector does not cover, in the vector's order. */
+static inline void lora_output(const fdlp_lora_weight_t *w, const float *t, int64_t o, float *out) {
+    const float *panel = lora_panel(w, o);
+    float acc = 0.f;
+    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * panel[r * LORA_PANEL];
+    out[o] += acc;
+}
+
+/* y[m] += (x[m] @ A^T) @ B^T with row m's adapter, for the `segments` output segments of widths
+ * `widths` of linear `linear`. The segmented form of Punica / S-LoRA: each adapter's A row is read
+ * once for all its rows, each B^T row is broadcast against a row's shrunk value (no horizontal
+ * sums), and rows of the base cost nothing. Every element is summed by one thread in one order,
+ * whatever the rows and threads, so the update is batch-invariant. */
+void fdlp_lora_update(const fdlp_lora_t *lora, int64_t linear, const float *x, float *y, int64_t rows, int64_t k_len,
+                      int64_t n_len, const int64_t *widths, int64_t segments, int threads) {
+    int64_t stride = lora->stride;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < lora->adapters * stride; task++) {
+        const fdlp_lora_weight_t *w = &lora->weights[task / stride][linear];
+        int64_t k = task % stride;
+        if (!w->a || k >= w->a_rows) continue;
+        for (int64_t m = 0; m < rows; m++)
+            if (lora->row_adapter[m] == task / stride)
+                lora->shrunk[m * stride + k] = dot4(w->a + k * k_len, x + m * k_len, k_len);
+    }
+    int64_t chunk = 32 * LANES, chunks = (n_len + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t start = 0;
+        for (int64_t s = 0; s < segments; start += widths[s++]) {
+            int64_t lo = start > c * chunk ? start : c * chunk, end = start + widths[s];
+            int64_t hi = end < (c + 1) * chunk ? end : (c + 1) * chunk;
+            for (int64_t m = 0; m < rows && lo < hi; m++) {
+                int64_t adapter = lora->row_adapter[m];
+                const fdlp_lora_weight_t *w = adapter < 0 ? NULL : &lora->weights[adapter][linear];
+                if (!w || !w->a || w->column[s] < 0) continue;
+                const float *t = lora->shrunk + m * stride + w->column[s];
+                float *out = y + m * n_len;
+                int64_t o = lo;
+                for (; o < hi && o % LANES; o++) lora_output(w, t, o, out);
+                for (; o + 2 * LANES <= hi; o += 2 * LANES) { /* two vectors: two chains of adds */
+                    const float *p0 = lora_panel(w, o), *p1 = lora_panel(w, o + LANES);
+                    vec acc0 = {0}, acc1 = {0};
+                    for (int64_t r = 0; r < w->rank; r++) {
+                        acc0 += t[r] * load(p0 + r * LORA_PANEL);
+                        acc1 += t[r] * load(p1 + r * LORA_PANEL);
+                    }
+                    *(vec *)(out + o) = load(out + o) + acc0; /* the update summed, then added: base + update */
+                    *(vec *)(out + o + LANES) = load(out + o + LANES) + acc1;
+                }
+                for (; o + LANES <= hi; o += LANES) {
+                    const float *p0 = lora_panel(w, o);
+                    vec acc = {0};
+                    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * load(p0 + r * LORA_PANEL);
+                    *(vec *)(out + o) = load(out + o) + acc;
+                }
+                for (; o < hi; o++) lora_output(w, t, o, out);
+            }
+        }
+    }
+}
+
 /* Where the layer's attention reads and writes: `fdlp_rotary_cache_write` and
  * `fdlp_paged_attention`'s arguments for one sequence group. */
 typedef struct {
@@ -147,18 +252,22 @@ typedef struct {
 
 /* out = h + mlp(norm2(h)) with h = x + o(attention(rotary(qkv(norm1(x))))), x and out [rows,
  * hidden]. `work` holds rows * (hidden + qkv_width + 2 * heads * dim + 3 * inter) + threads * heads *
- * max_len floats. -1 if a block-format linear found no memory for its buffers. */
+ * max_len floats. Each linear is followed by its update from `lora`'s adapters (layer `layer`'s;
+ * NULL: none). -1 if a block-format linear found no memory for its buffers. */
 static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidden, int64_t inter,
                         const float *norm1, const float *norm2, float eps, const fdlp_linear_t *qkv,
                         const fdlp_linear_t *o, const fdlp_linear_t *gate_up, const fdlp_linear_t *down,
-                        const fdlp_attention_t *at, float *work, int threads) {
+                        const fdlp_attention_t *at, const fdlp_lora_t *lora, int64_t layer, float *work,
+                        int threads) {
     int64_t q_size = at->heads * at->dim, qkv_width = (at->heads + 2 * at->kv_heads) * at->dim;
     float *normed = work, *qkv_out = normed + rows * hidden, *q = qkv_out + rows * qkv_width;
     float *attended = q + rows * q_size, *gate_up_out = attended + rows * q_size;
     float *act = gate_up_out + rows * 2 * inter, *scratch = act + rows * inter;
 
+    int64_t qkv_widths[3] = {q_size, at->kv_heads * at->dim, at->kv_heads * at->dim}, gate_up_widths[2] = {inter, inter};
     rms_norm(x, norm1, normed, rows, hidden, eps);
     if (fdlp_linear(normed, qkv, qkv_out, rows, qkv_width, hidden, threads)) return -1;
+    if (lora) fdlp_lora_update(lora, 4 * layer, normed, qkv_out, rows, hidden, qkv_width, qkv_widths, 3, threads);
     fdlp_rotary_cache_write(qkv_out, at->cos, at->sin, at->positions, at->write_rows, at->k_cache, at->v_cache,
                             rows, at->heads, at->kv_heads, at->dim, threads);
     for (int64_t m = 0; m < rows; m++) memcpy(q + m * q_size, qkv_out + m * qkv_width, (size_t)q_size * sizeof(float));
@@ -166,12 +275,15 @@ static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidde
                          at->new_tokens, at->heads, at->kv_heads, at->dim, at->block_size, at->table_width,
                          at->max_len, at->scale, threads);
     if (fdlp_linear(attended, o, out, rows, hidden, q_size, threads)) return -1;
+    if (lora) fdlp_lora_update(lora, 4 * layer + 1, attended, out, rows, q_size, hidden, &hidden, 1, threads);
     for (int64_t i = 0; i < rows * hidden; i++) out[i] += x[i];
 
     rms_norm(out, norm2, normed, rows, hidden, eps);
     if (fdlp_linear(normed, gate_up, gate_up_out, rows, 2 * inter, hidden, threads)) return -1;
+    if (lora) fdlp_lora_update(lora, 4 * layer + 2, normed, gate_up_out, rows, hidden, 2 * inter, gate_up_widths, 2, threads);
     fdlp_swiglu(gate_up_out, act, rows, inter, threads);
     if (fdlp_linear(act, down, normed, rows, hidden, inter, threads)) return -1;
+    if (lora) fdlp_lora_update(lora, 4 * layer + 3, act, normed, rows, inter, hidden, &hidden, 1, threads);
     for (int64_t i = 0; i < rows * hidden; i++) out[i] += normed[i];
     return 0;
 }
@@ -180,12 +292,12 @@ static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidde
  * buffer they alternate with), then the model's norm after them (weight `final_norm`, same eps).
  * Layer i has the norms norms[2i], norms[2i + 1], the linears linears[4i .. 4i + 3] (q/k/v, o,
  * gate/up, down) and the cache caches[2i] (keys), caches[2i + 1] (values); `at` is the attention
- * inputs every layer shares, its caches aside. Returns -1 if a block-format linear found no memory
+ * inputs every layer shares, its caches aside; `lora` the pass's adapters (NULL: none). Returns -1 if a block-format linear found no memory
  * for its buffers (the output is then not computed), else 0. */
 int fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers, int64_t rows, int64_t hidden,
                          int64_t inter, const float *const *norms, const float *final_norm, float eps,
-                         const fdlp_linear_t *linears, float *const *caches, const fdlp_attention_t *at, float *work,
-                         int threads) {
+                         const fdlp_linear_t *linears, float *const *caches, const fdlp_attention_t *at,
+                         const fdlp_lora_t *lora, float *work, int threads) {
     fdlp_attention_t layer_at = *at;
     const float *in = x;
     for (int64_t i = 0; i < layers; i++) {
@@ -194,7 +306,7 @@ int fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers
         layer_at.v_cache = caches[2 * i + 1];
         const fdlp_linear_t *l = linears + 4 * i;
         if (decoder_layer(in, dst, rows, hidden, inter, norms[2 * i], norms[2 * i + 1], eps, l, l + 1, l + 2, l + 3,
-                          &layer_at, work, threads))
+                          &layer_at, lora, i, work, threads))
             return -1;
         in = dst;
     }
