@@ -93,9 +93,10 @@ class LoRAConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None
+    dtype: str  # what adapters are held in: float32, bfloat16 or float16 (the update is float32)
 
     @classmethod
-    def from_args(cls, args: "EngineArgs") -> "LoRAConfig | None":
+    def from_args(cls, args: "EngineArgs", model_config: ModelConfig) -> "LoRAConfig | None":
         if not args.enable_lora:
             if args.lora_modules:
                 raise ValueError("lora_modules: needs enable_lora (--enable-lora)")
@@ -116,7 +117,10 @@ class LoRAConfig:
                 raise ValueError(f"{field_name}: must be a positive integer, got {value!r}")
         if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
             raise ValueError(f"max_cpu_loras: {args.max_cpu_loras} is fewer than max_loras={args.max_loras}")
-        return cls(tuple(modules), args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+        dtype = args.lora_dtype
+        if dtype == "auto":  # vLLM's: the model's; weights in int8, 4-bit or GGUF blocks compute from float32
+            dtype = model_config.weight_dtype if model_config.weight_dtype in ("bfloat16", "float16") else "float32"
+        return cls(tuple(modules), args.max_loras, args.max_lora_rank, args.max_cpu_loras, dtype)
 
 
 @dataclass(frozen=True)
@@ -323,6 +327,9 @@ class EngineArgs:
     max_cpu_loras: int | None = option(None, "Adapters held in memory (default: no limit); past it the least "
                                              "recently used leaves and is read again when asked for.", group=MODEL,
                                        parse=positive_int, metavar="N")
+    lora_dtype: str = option("auto", "What adapters are held in: auto (the weights' dtype if bfloat16 or float16, "
+                                     "else float32), float32, bfloat16 or float16. The update is computed in float32.",
+                             group=MODEL, choices=("auto", "float32", "bfloat16", "float16"))
     engine_worker_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
                                                   group=COMPAT, parse=port_number, metavar="PORT")
     cache_queue_port: int | None = option(None, "Accepted so FastDeploy launch commands run; unused.",
@@ -368,7 +375,7 @@ class EngineArgs:
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
                         kv_events_config=KVEventsConfig.from_value(self.kv_events_config, self.enable_prefix_caching),
                         tokenizer_dir=self.tokenizer, sequence_limits=limits, deterministic=self.deterministic,
-                        lora_config=LoRAConfig.from_args(self))
+                        lora_config=LoRAConfig.from_args(self, model_config))
 
     def sequence_limits(self) -> SequenceLimits:
         """The request limits of these options; a `ValueError` names a bad one."""

@@ -10,6 +10,7 @@ import os
 import shutil
 
 import numpy as np
+import paddle
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -163,6 +164,23 @@ def test_adapters_run_on_every_weight_format(adapters, weights):
     want = logits(float_base, ids, "c") - logits(float_base, ids)  # what the adapter does to float32 logits
     got = logits(llm, ids, "c") - logits(llm, ids)
     assert np.linalg.norm(got - want) < 0.25 * np.linalg.norm(want)  # 0.02 wint8, 0.13 wint4 (no update: 1)
+
+
+@pytest.mark.parametrize("held_as", ["bfloat16", "float16"])
+def test_adapters_held_in_16_bits_update_as_in_float32(adapters, held_as):
+    """`lora_dtype` keeps the adapter in 16 bits (the C kernels widen it; `auto` on a bfloat16 base
+    picks bfloat16): the update it adds is the float32 adapter's, to the rounding of its weights."""
+    llm = LLM(BASE, enable_lora=True, max_lora_rank=16, device="cpu", num_blocks=16, lora_dtype=held_as)
+    auto = LLM(BASE, enable_lora=True, max_lora_rank=16, device="cpu", num_blocks=16, dtype="bfloat16")
+    float_base = LLM(BASE, enable_lora=True, max_lora_rank=16, device="cpu", num_blocks=16)
+    for engine_llm in (llm, auto, float_base):
+        engine_llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 3, adapters["c"]))
+    held = {engine_llm.engine.runner.loras.get("c").weights[(0, "qkv")][0].dtype for engine_llm in (llm, auto, float_base)}
+    assert held == {getattr(paddle, held_as), paddle.bfloat16, paddle.float32}
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    want = logits(float_base, ids, "c") - logits(float_base, ids)
+    got = logits(llm, ids, "c") - logits(llm, ids)
+    assert 0 < np.linalg.norm(got - want) < 0.02 * np.linalg.norm(want)
 
 
 def test_prefix_cache_is_not_shared_between_adapters(llm, adapters):

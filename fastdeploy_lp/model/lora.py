@@ -57,7 +57,7 @@ class LoRARequest:
 
 @dataclass
 class LoRAAdapter:
-    """One loaded adapter, float32: per (layer, fused weight) its stacked A `[a_rows, in]`, scaled
+    """One loaded adapter, in `--lora-dtype`: per (layer, fused weight) its stacked A `[a_rows, in]`, scaled
     B^T in panels `[ceil(out / PANEL), rank, PANEL]` and per output segment the first column of `x @ A^T` it reads (-1: not
     targeted); `outs` each fused weight's output segments."""
 
@@ -100,9 +100,9 @@ def read_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         return config, {k: f.get_tensor(k).astype("float32").numpy() for k in f.keys()}
 
 
-def load_adapter(name: str, path: str, model, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter against `model`; a `ValueError` names the field that does not fit
-    (`r`, `target_modules`, a tensor's shape)."""
+def load_adapter(name: str, path: str, model, max_rank: int, dtype: str) -> LoRAAdapter:
+    """Read and check a PEFT adapter against `model`, held in `dtype`; a `ValueError` names the field
+    that does not fit (`r`, `target_modules`, a tensor's shape)."""
     config, tensors = read_adapter(path)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1:
@@ -132,14 +132,15 @@ def load_adapter(name: str, path: str, model, max_rank: int) -> LoRAAdapter:
         pieces.setdefault((layer, fused), {}).setdefault(segment, {})[m.group(4)] = value
     adapter = LoRAAdapter(name, path, rank, layers, {fused: outs for fused, (_, outs) in shapes.items()})
     for (layer, fused), segments in pieces.items():
-        adapter.weights[(layer, fused)] = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling)
+        a, bt, columns = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling)
+        adapter.weights[(layer, fused)] = (paddle.to_tensor(a).astype(dtype), paddle.to_tensor(bt).astype(dtype), columns)
     if not adapter.weights:
         raise ValueError(f"target_modules: adapter {name!r} holds no LoRA weights")
     return adapter
 
 
 def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, list[int]], rank: int,
-          scaling: float) -> tuple[paddle.Tensor, paddle.Tensor, tuple[int, ...]]:
+          scaling: float) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     in_features, outs = shape
     offsets = np.cumsum([0] + outs)
     a_rows, bt, columns = [], np.zeros((rank, offsets[-1]), dtype=np.float32), [-1] * len(outs)
@@ -158,7 +159,7 @@ def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, l
         bt[:, offsets[segment]:offsets[segment + 1]] = scaling * b.T
         columns[segment] = k * rank
     panels = np.pad(bt, ((0, 0), (0, -offsets[-1] % PANEL))).reshape(rank, -1, PANEL).transpose(1, 0, 2)
-    return paddle.to_tensor(np.concatenate(a_rows)), paddle.to_tensor(np.ascontiguousarray(panels)), tuple(columns)
+    return np.concatenate(a_rows), np.ascontiguousarray(panels), tuple(columns)
 
 
 def unpanel(bt: paddle.Tensor, out: int) -> paddle.Tensor:
@@ -175,8 +176,8 @@ class LoRAManager:
     already queued, and the step loop never reads a file. Safe to call from any thread: files are
     read outside the lock."""
 
-    def __init__(self, model, max_lora_rank: int, max_cpu_loras: int | None = None):
-        self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
+    def __init__(self, model, max_lora_rank: int, max_cpu_loras: int | None, dtype: str):
+        self.model, self.max_lora_rank, self.max_cpu_loras, self.dtype = model, max_lora_rank, max_cpu_loras, dtype
         self.paths: dict[str, str] = {}
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
@@ -189,7 +190,7 @@ class LoRAManager:
             if os.path.abspath(have) != os.path.abspath(path):
                 raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
             return self.get(name)
-        adapter = load_adapter(name, path, self.model, self.max_lora_rank)
+        adapter = load_adapter(name, path, self.model, self.max_lora_rank, self.dtype)
         with self._lock:
             self.paths[name] = path
             return self._keep(adapter)
@@ -215,7 +216,7 @@ class LoRAManager:
                 return adapter
         if path is None:
             raise ValueError(f"model: LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
-        adapter = load_adapter(name, path, self.model, self.max_lora_rank)
+        adapter = load_adapter(name, path, self.model, self.max_lora_rank, self.dtype)
         with self._lock:
             return self._keep(adapter) if self.paths.get(name) == path else adapter
 
@@ -289,7 +290,7 @@ def add(layer: int, fused: str, x: paddle.Tensor, out: paddle.Tensor) -> paddle.
         if (layer, fused) not in adapter.weights:
             continue
         a, panels, columns = adapter.weights[(layer, fused)]
-        bt = unpanel(panels, sum(adapter.outs[fused]))
+        a, bt = a.astype("float32"), unpanel(panels, sum(adapter.outs[fused])).astype("float32")
         xs = x32 if rows is None else paddle.index_select(x32, rows)
         shrunk, parts, start = paddle.matmul(xs, a, transpose_y=True), [], 0
         for width, column in zip(adapter.outs[fused], columns):

@@ -202,7 +202,7 @@ class ModelRunner:
         config = fd_config.lora_config
         if config is None:
             return None
-        manager = lora.LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras)
+        manager = lora.LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras, config.dtype)
         for name, path in config.modules:
             manager.load(name, path)
         return manager

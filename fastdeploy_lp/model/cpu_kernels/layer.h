@@ -135,20 +135,6 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
     return 0;
 }
 
-/* dot(a, b, n) with four chains of adds, not one: a LoRA A row is read once, so its dot product
- * with x runs at the rate of the adds' latency otherwise. */
-static inline float dot4(const float *a, const float *b, int64_t n) {
-    vec acc[4] = {{0}};
-    int64_t i = 0;
-    for (; i + 4 * LANES <= n; i += 4 * LANES)
-        for (int j = 0; j < 4; j++) acc[j] += load(a + i + j * LANES) * load(b + i + j * LANES);
-    vec sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (; i + LANES <= n; i += LANES) sum += load(a + i) * load(b + i);
-    float s = lane_sum(sum);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* One adapter's LoRA update of one linear (model/lora.py): `a` [a_rows, in], the A matrices of
  * the segments it targets stacked (q, k, v of q/k/v; gate, up of gate/up; or the one), and `bt`,
  * its B matrices transposed and scaled, each over its own segment's outputs (those of segments it
@@ -156,11 +142,11 @@ static inline float dot4(const float *a, const float *b, int64_t n) {
  * LORA_PANEL], so the update of a run of outputs reads one contiguous stream (as [rank, out] it read
  * `rank` streams a row apart, at half the memory's rate). Output segment s reads columns
  * [column[s], column[s] + rank) of x @ a^T; -1: not targeted. `a` NULL: the adapter leaves this
- * linear alone. */
+ * linear alone. Held as float32, bfloat16 or float16 (`--lora-dtype`), widened in registers. */
 #define LORA_PANEL 16 /* a multiple of every LANES, so a vector never straddles two panels */
 typedef struct {
-    const float *a, *bt;
-    int64_t rank, a_rows, column[FDLP_PARTS];
+    const void *a, *bt;
+    int64_t format, rank, a_rows, column[FDLP_PARTS]; /* format: 0 float32, 1 bfloat16, 2 float16 */
 } fdlp_lora_weight_t;
 
 /* The LoRA adapters of a pass: row m of x runs with adapter row_adapter[m] (-1: the base), whose
@@ -173,16 +159,40 @@ typedef struct {
     float *shrunk;
 } fdlp_lora_t;
 
-/* Where output o's B^T column starts in its panel (its rank values LORA_PANEL floats apart). */
-static inline const float *lora_panel(const fdlp_lora_weight_t *w, int64_t o) {
-    return w->bt + (o / LORA_PANEL * w->rank) * LORA_PANEL + o % LORA_PANEL;
+/* LANES values of a LoRA weight from element i on, and one value, as float32. */
+static inline vec lora_load(const void *w, int64_t format, int64_t i) {
+    return format == 1 ? load_w_bf16((const uint16_t *)w + i)
+         : format == 2 ? load_w_f16((const _Float16 *)w + i) : load((const float *)w + i);
+}
+static inline float lora_one(const void *w, int64_t format, int64_t i) {
+    return format == 1 ? widen_one_bf16(((const uint16_t *)w)[i])
+         : format == 2 ? widen_one_f16(((const _Float16 *)w)[i]) : ((const float *)w)[i];
+}
+
+/* Row k of an A (k_len wide) times x, with four chains of adds, not one: an A row is read once, so
+ * its dot product with x ran at the rate of the adds' latency otherwise. */
+static inline float lora_shrink(const fdlp_lora_weight_t *w, int64_t k, const float *x, int64_t k_len) {
+    vec acc[4] = {{0}};
+    int64_t i = 0, row = k * k_len;
+    for (; i + 4 * LANES <= k_len; i += 4 * LANES)
+        for (int j = 0; j < 4; j++) acc[j] += lora_load(w->a, w->format, row + i + j * LANES) * load(x + i + j * LANES);
+    vec sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (; i + LANES <= k_len; i += LANES) sum += lora_load(w->a, w->format, row + i) * load(x + i);
+    float s = lane_sum(sum);
+    for (; i < k_len; i++) s += lora_one(w->a, w->format, row + i) * x[i];
+    return s;
+}
+
+/* Where output o's B^T column starts in its panel (its rank values LORA_PANEL apart): an element index. */
+static inline int64_t lora_panel(const fdlp_lora_weight_t *w, int64_t o) {
+    return (o / LORA_PANEL * w->rank) * LORA_PANEL + o % LORA_PANEL;
 }
 
 /* out[o] += t @ B^T[:, o], the one output a vector does not cover, in the vector's order. */
 static inline void lora_output(const fdlp_lora_weight_t *w, const float *t, int64_t o, float *out) {
-    const float *panel = lora_panel(w, o);
+    int64_t at = lora_panel(w, o);
     float acc = 0.f;
-    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * panel[r * LORA_PANEL];
+    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * lora_one(w->bt, w->format, at + r * LORA_PANEL);
     out[o] += acc;
 }
 
@@ -201,7 +211,7 @@ void fdlp_lora_update(const fdlp_lora_t *lora, int64_t linear, const float *x, f
         if (!w->a || k >= w->a_rows) continue;
         for (int64_t m = 0; m < rows; m++)
             if (lora->row_adapter[m] == task / stride)
-                lora->shrunk[m * stride + k] = dot4(w->a + k * k_len, x + m * k_len, k_len);
+                lora->shrunk[m * stride + k] = lora_shrink(w, k, x + m * k_len, k_len);
     }
     int64_t chunk = 32 * LANES, chunks = (n_len + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -219,19 +229,19 @@ void fdlp_lora_update(const fdlp_lora_t *lora, int64_t linear, const float *x, f
                 int64_t o = lo;
                 for (; o < hi && o % LANES; o++) lora_output(w, t, o, out);
                 for (; o + 2 * LANES <= hi; o += 2 * LANES) { /* two vectors: two chains of adds */
-                    const float *p0 = lora_panel(w, o), *p1 = lora_panel(w, o + LANES);
+                    int64_t p0 = lora_panel(w, o), p1 = lora_panel(w, o + LANES);
                     vec acc0 = {0}, acc1 = {0};
                     for (int64_t r = 0; r < w->rank; r++) {
-                        acc0 += t[r] * load(p0 + r * LORA_PANEL);
-                        acc1 += t[r] * load(p1 + r * LORA_PANEL);
+                        acc0 += t[r] * lora_load(w->bt, w->format, p0 + r * LORA_PANEL);
+                        acc1 += t[r] * lora_load(w->bt, w->format, p1 + r * LORA_PANEL);
                     }
                     *(vec *)(out + o) = load(out + o) + acc0; /* the update summed, then added: base + update */
                     *(vec *)(out + o + LANES) = load(out + o + LANES) + acc1;
                 }
                 for (; o + LANES <= hi; o += LANES) {
-                    const float *p0 = lora_panel(w, o);
+                    int64_t p0 = lora_panel(w, o);
                     vec acc = {0};
-                    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * load(p0 + r * LORA_PANEL);
+                    for (int64_t r = 0; r < w->rank; r++) acc += t[r] * lora_load(w->bt, w->format, p0 + r * LORA_PANEL);
                     *(vec *)(out + o) = load(out + o) + acc;
                 }
                 for (; o < hi; o++) lora_output(w, t, o, out);

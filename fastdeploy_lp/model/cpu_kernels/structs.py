@@ -95,8 +95,8 @@ def _ptr(tensor: paddle.Tensor | None) -> int | None:
 
 
 class _LoRAWeight(ctypes.Structure):  # layer.h's fdlp_lora_weight_t
-    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_int64), ("a_rows", ctypes.c_int64),
-                ("column", ctypes.c_int64 * 3)]
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("format", ctypes.c_int64), ("rank", ctypes.c_int64),
+                ("a_rows", ctypes.c_int64), ("column", ctypes.c_int64 * 3)]
 
 
 class _LoRA(ctypes.Structure):  # layer.h's fdlp_lora_t
@@ -107,12 +107,13 @@ class _LoRA(ctypes.Structure):  # layer.h's fdlp_lora_t
 def lora_table(updates: list[tuple[paddle.Tensor, paddle.Tensor, tuple[int, ...]] | None]) -> ctypes.Array:
     """One adapter's updates of a model's linears (4 per layer: q/k/v, o, gate/up, down), each its A
     `[a_rows, in]`, scaled B^T in panels `[panels, rank, LORA_PANEL]` (layer.h) and the first column each output segment reads (-1:
-    none), or None where it does not touch the linear; float32, contiguous, kept alive by the caller."""
+    none), or None where it does not touch the linear; float32, bfloat16 or float16 (both alike),
+    contiguous, kept alive by the caller."""
     def entry(update):
         if update is None:
-            return _LoRAWeight(None, None, 0, 0, (ctypes.c_int64 * 3)(-1, -1, -1))
+            return _LoRAWeight(None, None, 0, 0, 0, (ctypes.c_int64 * 3)(-1, -1, -1))
         a, bt, columns = update
-        return _LoRAWeight(a.data_ptr(), bt.data_ptr(), bt.shape[1], a.shape[0],
+        return _LoRAWeight(a.data_ptr(), bt.data_ptr(), _FORMATS[a.dtype], bt.shape[1], a.shape[0],
                            (ctypes.c_int64 * 3)(*columns, *[-1] * (3 - len(columns))))
     return (_LoRAWeight * len(updates))(*(entry(u) for u in updates))
 
