@@ -101,8 +101,6 @@ class LoRAConfig:
             if args.lora_modules:
                 raise ValueError("lora_modules: needs enable_lora (--enable-lora)")
             return None
-        if args.tensor_parallel_size != 1:
-            raise ValueError("enable_lora: LoRA adapters are not sharded yet (tensor_parallel_size must be 1)")
         modules = []
         for entry in args.lora_modules or ():
             name, sep, path = str(entry).partition("=")

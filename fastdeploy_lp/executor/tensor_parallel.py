@@ -17,6 +17,7 @@ later `forward` raises `TensorParallelError`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ import paddle
 from fastdeploy_lp import envs
 from fastdeploy_lp.config import FDConfig
 from fastdeploy_lp.executor.worker import WorkerSpec, run_worker
+from fastdeploy_lp.model.lora import LoRAManager
 from fastdeploy_lp.model.runner import SequenceFeed, use_device
 
 logger = logging.getLogger(__name__)
@@ -130,8 +132,10 @@ class _GroupBroken(Exception):
 
 
 class TensorParallelRunner:
-    """Drop-in for `ModelRunner` (`num_blocks`, `block_size`, `weight_bytes`, `forward`) over `tensor_parallel_size`
-    rank processes. `close()` stops them (also at exit and when the runner is collected)."""
+    """Drop-in for `ModelRunner` (`num_blocks`, `block_size`, `weight_bytes`, `loras`, `forward`) over
+    `tensor_parallel_size` rank processes. `close()` stops them (also at exit and when the runner is
+    collected). `loras` checks and names the adapters here; a pass sends each rank its rows' adapters
+    by name and path, and each rank holds its own shard of them (`LoRAManager.resolve`)."""
 
     def __init__(self, fd_config: FDConfig):
         use_device(fd_config)  # the logits, processors and sampler live on the engine's device
@@ -141,6 +145,7 @@ class TensorParallelRunner:
         self.failure: str | None = None
         self._callbacks = []
         self._fail_lock = threading.Lock()
+        self.loras = None if fd_config.lora_config is None else LoRAManager(fd_config.model_config, fd_config.lora_config)
         shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
         spec = WorkerSpec(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
         started = time.monotonic()
@@ -213,7 +218,8 @@ class TensorParallelRunner:
             raise TensorParallelError(self.failure)
         if self._ranks.stopping.is_set():
             raise TensorParallelError("the tensor-parallel runner was closed")
-        message = pickle.dumps(("forward", list(feeds), list(fresh_blocks)), protocol=pickle.HIGHEST_PROTOCOL)
+        feeds = [f if f.lora is None else dataclasses.replace(f, lora=(f.lora.name, f.lora.path)) for f in feeds]
+        message = pickle.dumps(("forward", feeds, list(fresh_blocks)), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank, conn in enumerate(self._ranks.conns):
                 self._send(rank, conn, message, "forward pass")

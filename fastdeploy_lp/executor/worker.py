@@ -109,7 +109,8 @@ def _serve(runner, conn: Connection, out: np.ndarray | None) -> None:
         if message[0] == "stop":
             return
         _, feeds, fresh = message
-        try:
+        try:  # the driver names each feed's adapter (name, path): this rank's shard of it
+            feeds = [f if f.lora is None else dataclasses.replace(f, lora=runner.loras.resolve(*f.lora)) for f in feeds]
             logits = runner.forward(feeds, fresh)
             if out is None:
                 reply = ("ok", None)

@@ -321,9 +321,13 @@ class Attention(nn.Layer):
             out = out.reshape([-1, self.q_size])
             projected = linear(out, self.o_weight, self.o_bias, self.o_weight_scale, self.o_weight_layout)
             return projected if lora.active() is None else lora.add(self.layer_index, "o", out, projected)
-        # Row-parallel; each rank's int8 scales are its own columns', applied before the sum.
-        out = self.shard.all_reduce(linear(out.reshape([-1, self.q_size]), self.o_weight, None, self.o_weight_scale,
-                                          self.o_weight_layout))
+        # Row-parallel; each rank's int8 scales are its own columns', applied before the sum, as is
+        # its part of an adapter's update (its A columns: the sum of the parts is the update).
+        out = out.reshape([-1, self.q_size])
+        partial = linear(out, self.o_weight, None, self.o_weight_scale, self.o_weight_layout)
+        if lora.active() is not None:
+            partial = lora.add(self.layer_index, "o", out, partial)
+        out = self.shard.all_reduce(partial)
         return out if self.o_bias is None else out + self.o_bias
 
     def _causal(self, q, k, v):
@@ -413,6 +417,8 @@ class MLP(nn.Layer):
         if self.shard is None:
             out = linear(hidden, self.down_weight, self.down_bias, self.down_weight_scale, self.down_weight_layout)
             return out if lora.active() is None else lora.add(self.layer_index, "down", hidden, out)
-        out = self.shard.all_reduce(  # row-parallel
-            linear(hidden, self.down_weight, None, self.down_weight_scale, self.down_weight_layout))
+        partial = linear(hidden, self.down_weight, None, self.down_weight_scale, self.down_weight_layout)
+        if lora.active() is not None:  # this rank's part of the update, summed with the partial outputs
+            partial = lora.add(self.layer_index, "down", hidden, partial)
+        out = self.shard.all_reduce(partial)  # row-parallel
         return out if self.down_bias is None else out + self.down_bias

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fastdeploy_lp.config import LoRAConfig
+from fastdeploy_lp.distributed.shard import TensorShard
+from fastdeploy_lp.model_config import ModelConfig
 from fastdeploy_lp.model import cpu_kernels
 from fastdeploy_lp.model.cpu_kernels.structs import LoRAInputs, lora_table
 
@@ -41,7 +44,8 @@ LORA_ADAPTER = "lora_adapter"  # and the `LoRAAdapter` itself, set by the engine
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 PANEL = 16  # B^T is held in panels of this many outputs (layer.h's LORA_PANEL), as the C kernels read it
-LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the C kernels' order (layer.h)
+LINEARS = ("qkv", "o", "gate_up", "down")
+COLUMN_PARALLEL = ("qkv", "gate_up")  # under tensor parallelism split by output rows; o and down by input columns  # a layer's linears, in the C kernels' order (layer.h)
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -77,14 +81,12 @@ class LoRAAdapter:
         return self._table
 
 
-def fused_shapes(model) -> tuple[int, dict[str, tuple[int, list[int]]]]:
-    """The decoder's layer count and, per fused weight, its input size and output segments."""
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    hidden = model.config.hidden_size
-    return len(model.layers), {"qkv": (hidden, [attn.q_size, attn.kv_size, attn.kv_size]),
-                               "o": (attn.q_size, [hidden]),
-                               "gate_up": (hidden, [mlp.intermediate, mlp.intermediate]),
-                               "down": (mlp.intermediate, [hidden])}
+def fused_shapes(config: ModelConfig) -> tuple[int, dict[str, tuple[int, list[int]]]]:
+    """The decoder's layer count and, per fused weight, its input size and output segments (unsharded)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return config.num_hidden_layers, {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]),
+                                      "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
 
 
 def read_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -100,9 +102,13 @@ def read_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         return config, {k: f.get_tensor(k).astype("float32").numpy() for k in f.keys()}
 
 
-def load_adapter(name: str, path: str, model, max_rank: int, dtype: str) -> LoRAAdapter:
-    """Read and check a PEFT adapter against `model`, held in `dtype`; a `ValueError` names the field
-    that does not fit (`r`, `target_modules`, a tensor's shape)."""
+def load_adapter(name: str, path: str, model_config: ModelConfig, shard: TensorShard | None, max_rank: int,
+                 dtype: str) -> LoRAAdapter:
+    """Read and check a PEFT adapter against the model of `model_config`, held in `dtype`; a `ValueError`
+    names the field that does not fit (`r`, `target_modules`, a tensor's shape). With a `shard`
+    (tensor parallelism), this rank's part, split as its layers are: B's rows of its q/k/v heads and
+    MLP columns; A's columns of its o_proj and down_proj inputs, whose partial updates the layers'
+    all-reduce sums with theirs (B (x_1 A_1^T + x_2 A_2^T) is the whole update)."""
     config, tensors = read_adapter(path)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1:
@@ -118,7 +124,7 @@ def load_adapter(name: str, path: str, model, max_rank: int, dtype: str) -> LoRA
         raise ValueError(f"target_modules: adapter {name!r} targets {', '.join(unknown)}, which this model does not "
                          f"have as LoRA targets (supported: {', '.join(TARGETS)})")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    layers, shapes = fused_shapes(model)
+    layers, shapes = fused_shapes(model_config)
     pieces: dict[tuple[int, str], dict[int, dict[str, np.ndarray]]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
@@ -130,9 +136,12 @@ def load_adapter(name: str, path: str, model, max_rank: int, dtype: str) -> LoRA
             raise ValueError(f"target_modules: adapter {name!r} has {key!r}, but the base model has {layers} layers")
         fused, segment = TARGETS[m.group(3)]
         pieces.setdefault((layer, fused), {}).setdefault(segment, {})[m.group(4)] = value
-    adapter = LoRAAdapter(name, path, rank, layers, {fused: outs for fused, (_, outs) in shapes.items()})
+    ranks = 1 if shard is None else shard.size
+    outs = {fused: [n // ranks for n in segment_outs] if fused in COLUMN_PARALLEL else segment_outs
+            for fused, (_, segment_outs) in shapes.items()}
+    adapter = LoRAAdapter(name, path, rank, layers, outs)
     for (layer, fused), segments in pieces.items():
-        a, bt, columns = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling)
+        a, bt, columns = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling, shard)
         adapter.weights[(layer, fused)] = (paddle.to_tensor(a).astype(dtype), paddle.to_tensor(bt).astype(dtype), columns)
     if not adapter.weights:
         raise ValueError(f"target_modules: adapter {name!r} holds no LoRA weights")
@@ -140,9 +149,10 @@ def load_adapter(name: str, path: str, model, max_rank: int, dtype: str) -> LoRA
 
 
 def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, list[int]], rank: int,
-          scaling: float) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+          scaling: float, shard: TensorShard | None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     in_features, outs = shape
-    offsets = np.cumsum([0] + outs)
+    ranks = 1 if shard is None else shard.size
+    offsets = np.cumsum([0] + [n // ranks if fused in COLUMN_PARALLEL else n for n in outs])
     a_rows, bt, columns = [], np.zeros((rank, offsets[-1]), dtype=np.float32), [-1] * len(outs)
     for k, (segment, ab) in enumerate(sorted(segments.items())):
         module = next(m for m, t in TARGETS.items() if t == (fused, segment))
@@ -155,6 +165,10 @@ def _fuse(name: str, layer: int, fused: str, segments: dict, shape: tuple[int, l
         if b.shape != (outs[segment], rank):
             raise ValueError(f"lora_B: {where} is {list(b.shape)}, the base layer needs [{outs[segment]}, {rank}] "
                              "(out, r)")
+        if shard is not None and fused in COLUMN_PARALLEL:
+            b = b[slice(*shard.part(outs[segment]))]
+        elif shard is not None:
+            a = a[:, slice(*shard.part(in_features))]
         a_rows.append(a)
         bt[:, offsets[segment]:offsets[segment + 1]] = scaling * b.T
         columns[segment] = k * rank
@@ -176,8 +190,10 @@ class LoRAManager:
     already queued, and the step loop never reads a file. Safe to call from any thread: files are
     read outside the lock."""
 
-    def __init__(self, model, max_lora_rank: int, max_cpu_loras: int | None, dtype: str):
-        self.model, self.max_lora_rank, self.max_cpu_loras, self.dtype = model, max_lora_rank, max_cpu_loras, dtype
+    def __init__(self, model_config: ModelConfig, lora_config: LoRAConfig, shard: TensorShard | None = None):
+        self.model_config, self.shard = model_config, shard
+        self.max_lora_rank, self.max_cpu_loras, self.dtype = (lora_config.max_lora_rank, lora_config.max_cpu_loras,
+                                                              lora_config.dtype)
         self.paths: dict[str, str] = {}
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
@@ -190,7 +206,7 @@ class LoRAManager:
             if os.path.abspath(have) != os.path.abspath(path):
                 raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
             return self.get(name)
-        adapter = load_adapter(name, path, self.model, self.max_lora_rank, self.dtype)
+        adapter = self._read(name, path)
         with self._lock:
             self.paths[name] = path
             return self._keep(adapter)
@@ -216,9 +232,22 @@ class LoRAManager:
                 return adapter
         if path is None:
             raise ValueError(f"model: LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
-        adapter = load_adapter(name, path, self.model, self.max_lora_rank, self.dtype)
+        adapter = self._read(name, path)
         with self._lock:
             return self._keep(adapter) if self.paths.get(name) == path else adapter
+
+    def resolve(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter `name` read from `path`, whatever was loaded under that name before: a
+        tensor-parallel rank's view of the driver's adapters (`TensorParallelRunner`), which it
+        follows pass by pass."""
+        with self._lock:
+            stale = self.paths.get(name) not in (None, path)
+        if stale:
+            self.unload(name)
+        return self.load(name, path)
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        return load_adapter(name, path, self.model_config, self.shard, self.max_lora_rank, self.dtype)
 
     def _keep(self, adapter: LoRAAdapter) -> LoRAAdapter:
         self.adapters[adapter.name] = adapter

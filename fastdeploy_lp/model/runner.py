@@ -153,7 +153,7 @@ class ModelRunner:
         for pair in self.kv_caches:
             for c in pair:
                 c[:null_rows] = 0
-        self.loras = self._load_loras(fd_config)
+        self.loras = self._load_loras(fd_config, shard)
         self.deterministic = fd_config.deterministic
         if self.deterministic:  # every op on the kernels: no plan to measure
             with batch_invariant_mode(True) as kernels:  # refuses here where the kernels cannot run
@@ -197,12 +197,12 @@ class ModelRunner:
         with lora.rows_of_pass([f.lora for f in feeds for _ in f.tokens]):
             return self.model(ids, batch, self.kv_caches)
 
-    def _load_loras(self, fd_config: FDConfig) -> lora.LoRAManager | None:
+    def _load_loras(self, fd_config: FDConfig, shard: TensorShard | None) -> lora.LoRAManager | None:
         """The adapter registry when LoRA is on, with `--lora-modules` loaded (a bad one: a `ValueError`)."""
         config = fd_config.lora_config
         if config is None:
             return None
-        manager = lora.LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras, config.dtype)
+        manager = lora.LoRAManager(fd_config.model_config, config, shard)
         for name, path in config.modules:
             manager.load(name, path)
         return manager
