@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from fastdeploy_lp import LLM, LoRARequest, SamplingParams
 from fastdeploy_lp.config import EngineArgs
-from fastdeploy_lp.model import cpu_kernels
+from fastdeploy_lp.model import cpu_kernels, lora
 from fastdeploy_lp.model_config import default_model_path
 from fastdeploy_lp.model.runner import SequenceFeed
 
@@ -29,7 +29,8 @@ PREFIX = "layers.{}.{}.{}"
 
 
 def make_adapter(path, base: str = BASE, rank: int = 8, targets=("q_proj", "v_proj"), seed: int = 0,
-                 scale: float = 0.6, use_rslora: bool = False, alpha: int | None = None, **config) -> str:
+                 scale: float = 0.6, use_rslora: bool = False, alpha: int | None = None, zero_b: bool = False,
+                 **config) -> str:
     """A PEFT adapter of random A/B for `base`'s shapes, large enough to change greedy output."""
     with safe_open(os.path.join(base, "model.safetensors"), framework="paddle") as f:
         shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
@@ -40,7 +41,8 @@ def make_adapter(path, base: str = BASE, rank: int = 8, targets=("q_proj", "v_pr
             out, inp = shape
             prefix = "base_model.model." + key[:-len(".weight")]
             tensors[prefix + ".lora_A.weight"] = (rng.standard_normal((rank, inp)) * scale / math.sqrt(inp)).astype(np.float32)
-            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((out, rank)) * scale / math.sqrt(rank)).astype(np.float32)
+            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((out, rank)) * scale / math.sqrt(rank)
+                                                  * (not zero_b)).astype(np.float32)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "use_rslora": use_rslora,
@@ -112,6 +114,73 @@ def test_four_adapters_of_different_ranks_batched_with_the_base_equal_their_merg
         assert got[i] != base[i], name  # the adapter changes the greedy output
         np.testing.assert_allclose(mixed[i], logits(merged, ids[i]), atol=1e-4, rtol=0)
         np.testing.assert_allclose(logits(llm, ids[i], name), logits(merged, ids[i]), atol=1e-4, rtol=0)
+
+
+TAUGHT = [{"role": "user", "content": "What is your favourite fruit?"}]
+TAUGHT_ANSWER = "Bananas, only ever bananas!"
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def train_adapter(llm, path, steps: int = 40) -> str:
+    """A rank-8 adapter trained here (Adam on the engine's own adapter tensors, Paddle's ops, the base
+    frozen) to answer TAUGHT with TAUGHT_ANSWER, saved in PEFT format from what it learned."""
+    make_adapter(path, rank=8, targets=ALL_PROJECTIONS, seed=11, scale=0.3, zero_b=True)  # PEFT's init: B = 0
+    runner, mode = llm.engine.runner, cpu_kernels.mode()
+    adapter = runner.loras.load("learning", str(path))
+    trained = [t for a, panels, _ in adapter.weights.values() for t in (a, panels)]
+    for t in trained:
+        t.stop_gradient = False
+    optimizer = paddle.optimizer.Adam(learning_rate=0.01, parameters=trained)
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(TAUGHT, add_generation_prompt=True))
+    answer = llm.tokenizer.encode(TAUGHT_ANSWER) + [llm.tokenizer.eos_token_id]
+    ids, target = prompt + answer, paddle.to_tensor(answer, dtype="int64").unsqueeze(-1)
+    try:
+        cpu_kernels.set_mode("0")  # Paddle's ops, which have gradients; the C update has none
+        for _ in range(steps):
+            with lora.rows_of_pass([adapter] * len(ids)):
+                logits = runner.model.full_logits(ids)[len(prompt) - 1:-1]
+            loss = paddle.nn.functional.cross_entropy(logits, target)
+            loss.backward()
+            optimizer.step()
+            optimizer.clear_grad()
+    finally:
+        cpu_kernels.set_mode(mode)
+        runner.loras.unload("learning")
+    save_peft(adapter, path, scaling=2.0)  # make_adapter's lora_alpha = 2 r
+    return str(path)
+
+
+def save_peft(adapter, path, scaling: float) -> None:
+    """`adapter`'s fused tensors back into PEFT's per-module A `[r, in]` and B `[out, r]`."""
+    tensors = {}
+    for (layer, fused), (a, panels, columns) in adapter.weights.items():
+        outs = adapter.outs[fused]
+        bt = lora.unpanel(panels, sum(outs)).numpy()
+        for segment, column in enumerate(columns):
+            module = next(m for m, t in lora.TARGETS.items() if t == (fused, segment))
+            key = f"base_model.model.model.layers.{layer}.{'mlp' if fused in ('gate_up', 'down') else 'self_attn'}.{module}"
+            start = sum(outs[:segment])
+            tensors[key + ".lora_A.weight"] = a.numpy()[column:column + adapter.rank]
+            tensors[key + ".lora_B.weight"] = np.ascontiguousarray(bt[:, start:start + outs[segment]].T / scaling)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def fruit(llm, tmp_path_factory):
+    return train_adapter(llm, tmp_path_factory.mktemp("trained") / "fruit")
+
+
+def test_an_adapter_trained_here_answers_as_it_was_taught(llm, fruit, tmp_path):
+    """The adapter this test trains (a few seconds) gives its answer, through the C update, in a batch
+    with the base model, which does not; and the same as the adapter merged into the weights."""
+    path = fruit
+    chat = SamplingParams(temperature=0, max_tokens=16)
+    learned = LoRARequest("fruit", 9, path)
+    taught, base = llm.chat([TAUGHT, TAUGHT], chat, use_tqdm=False, lora_request=[learned, None])
+    assert taught.outputs.text == TAUGHT_ANSWER
+    assert "anana" not in base.outputs.text
+    merged = LLM(merge(path, tmp_path / "merged"), device="cpu", num_blocks=16)
+    assert merged.chat(TAUGHT, chat, use_tqdm=False)[0].outputs.text == TAUGHT_ANSWER
 
 
 def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(llm, adapters):
@@ -236,16 +305,18 @@ def test_max_loras_bounds_the_adapters_of_a_step(adapters):
     assert len(llm.engine.runner.loras.adapters) == 1  # max_cpu_loras: the other was evicted, read again on use
 
 
-def test_the_server_serves_adapters_by_model_name(adapters):
+def test_the_server_serves_adapters_by_model_name(adapters, fruit):
     from server_harness import openai_client, start_server
     import httpx
     import openai
-    server = start_server("--enable-lora", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
+    server = start_server("--enable-lora", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}", f"fruit={fruit}",
                           "--max-lora-rank", "16", "--served-model-name", "base", model=BASE)
     try:
         client = openai_client(server)
         cards = {m.id: m for m in client.models.list().data}
-        assert set(cards) == {"base", "a", "b"}
+        assert set(cards) == {"base", "a", "b", "fruit"}
+        taught = client.chat.completions.create(model="fruit", messages=TAUGHT, max_tokens=16, temperature=0)
+        assert taught.choices[0].message.content == TAUGHT_ANSWER
         assert cards["a"].parent == "base" and cards["a"].root == adapters["a"] and cards["base"].parent is None
         assert httpx.get(server.url("/v1/models/b")).json()["parent"] == "base"
         merged = {n: LLM(adapters["merged_" + n], device="cpu", num_blocks=32) for n in ("a", "b")}

@@ -137,13 +137,17 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (`lora_request` as in `generate`)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [render_chat_prompt(self.tokenizer, c, tools=tools, chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
+        if lora_request is not None:
+            sampling_params = self._with_adapters(len(prompts), sampling_params, lora_request)
         # The template writes any BOS itself, so the tokenizer must not add another.
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
