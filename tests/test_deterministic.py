@@ -49,6 +49,26 @@ def test_without_the_flag_the_same_mixes_change_the_probe():
     assert len(_mismatched(mixes.run_mixes(False, 4, seed=38))) > 0
 
 
+def test_lora_adapters_keep_the_probe_batch_invariant(tmp_path):
+    """A probe on one adapter, among neighbours on another adapter and on the base: the C update
+    sums each row alone, so its tokens and logprobs are those it gets alone, bit for bit."""
+    from fastdeploy_lp import LoRARequest, SamplingParams
+    from test_lora import BASE, make_adapter
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    mine = LoRARequest("mine", 1, make_adapter(tmp_path / "mine", rank=8, targets=every, seed=3, scale=0.4))
+    theirs = LoRARequest("theirs", 2, make_adapter(tmp_path / "theirs", rank=4, targets=("q_proj", "down_proj"), seed=4))
+    llm = LLM(BASE, device="cpu", deterministic=True, enable_lora=True, max_num_seqs=8, num_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    probe = "The little dog ran to the"
+    alone = llm.generate([probe], params, use_tqdm=False, lora_request=mine)[0].outputs
+    for k in range(3):
+        neighbours = ["Once upon a time " * (k + 1), "Tom and Lily", "x y z " * (3 * k + 1)][:k + 1]
+        outs = llm.generate([neighbours[0], probe, *neighbours[1:]], params, use_tqdm=False,
+                            lora_request=[theirs, mine, None, theirs][:k + 2])
+        assert outs[1].outputs.token_ids == alone.token_ids
+        assert repr(outs[1].outputs.logprobs) == repr(alone.logprobs)
+
+
 def test_the_result_does_not_depend_on_the_thread_count():
     runner = mixes.Mixes(True)
     want = runner.alone("greedy"), runner.alone("seeded")
