@@ -317,6 +317,8 @@ def test_the_server_serves_adapters_by_model_name(adapters, fruit):
         assert set(cards) == {"base", "a", "b", "fruit"}
         taught = client.chat.completions.create(model="fruit", messages=TAUGHT, max_tokens=16, temperature=0)
         assert taught.choices[0].message.content == TAUGHT_ANSWER
+        rendered = httpx.post(server.url("/v1/chat/completions/render"), json={"model": "fruit", "messages": TAUGHT})
+        assert rendered.status_code == 200 and rendered.json()["model"] == "fruit"  # what a router forwards
         assert cards["a"].parent == "base" and cards["a"].root == adapters["a"] and cards["base"].parent is None
         assert httpx.get(server.url("/v1/models/b")).json()["parent"] == "base"
         merged = {n: LLM(adapters["merged_" + n], device="cpu", num_blocks=32) for n in ("a", "b")}

@@ -61,15 +61,16 @@ async def _rendered(request: Request, model: type[BaseModel], render) -> JSONRes
     body = await parse_body(request, model)
     headers = ignored_fields_header(request, body)
     rendered = await asyncio.to_thread(render, body)
+    name = request.app.state.chat.answer_model(getattr(body, "model", None))  # the adapter the body named
     if isinstance(rendered, list):
-        answer = [_generate_request(request, ids, params, body.stream) for ids, params in rendered]
+        answer = [_generate_request(name, ids, params, body.stream) for ids, params in rendered]
     else:
-        answer = _generate_request(request, *rendered, body.stream)
+        answer = _generate_request(name, *rendered, body.stream)
     return JSONResponse(answer, headers=headers)
 
 
-def _generate_request(request: Request, token_ids: list[int], params: SamplingParams, stream: bool | None) -> dict:
+def _generate_request(model: str, token_ids: list[int], params: SamplingParams, stream: bool | None) -> dict:
     sampling = dataclasses.asdict(params)
     del sampling["extra"]  # engine-internal
     return {"request_id": uuid.uuid4().hex, "token_ids": token_ids, "sampling_params": sampling,
-            "model": request.app.state.chat.model_name, "stream": bool(stream)}
+            "model": model, "stream": bool(stream)}
