@@ -38,6 +38,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -108,19 +109,17 @@ def make_prompts(args, base_url: str) -> list[str]:
 
 
 def prefix_counters(replica_urls: list[str]) -> list[tuple[float, float, float]]:
-    """Per replica: (prefix tokens looked up, found, finished sequences)."""
+    """Per replica: (prefix tokens looked up, found, finished sequences), summed over their labels."""
+    names = ("fastdeploy_lp:prefix_cache_queries_total", "fastdeploy_lp:prefix_cache_hits_total",
+             "fastdeploy_lp:request_finished_total")
     out = []
     for url in replica_urls:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            for name in ("fastdeploy_lp:prefix_cache_queries_total", "fastdeploy_lp:prefix_cache_hits_total",
-                         "fastdeploy_lp:request_finished_total"):
-                if line.startswith(name):
-                    values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        out.append((values.get("fastdeploy_lp:prefix_cache_queries_total", 0.0),
-                    values.get("fastdeploy_lp:prefix_cache_hits_total", 0.0),
-                    values.get("fastdeploy_lp:request_finished_total", 0.0)))
+        totals = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+        out.append(tuple(totals[name] for name in names))
     return out
 
 
