@@ -9,13 +9,21 @@ uncached prefill gives."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import httpx
 import numpy as np
+import paddle
 import pytest
 from conftest import fixture_dir, load_reference
+from gguf_files import float_weights
+from safetensors.numpy import save_file
 
 from fastdeploy_lp import LLM, SamplingParams
-from server_harness import openai_client, serving
+from fastdeploy_lp.engine.prompt_logprobs import log_softmax
+from server_harness import openai_client, serving, start_server
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -152,6 +160,16 @@ def test_bad_values_name_the_field():
             SamplingParams(prompt_logprobs=bad)
 
 
+def test_log_softmax_of_a_wide_row_is_exact_to_the_float32_rounding():
+    """Paddle's float32 `logsumexp` on CPU adds a row one term after another: over 151,936 tokens it
+    left every value too high by ~2e-4. `log_softmax` sums in float64."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((4, 151936)) * 3).astype(np.float32)
+    logits[:, 7] += 12  # peaked, as a model's rows are
+    error = log_softmax(paddle.to_tensor(logits)).numpy() - _log_softmax(logits)
+    assert np.abs(error).max() < 5e-6 and abs(error.mean()) < 1e-7
+
+
 # -- the server ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
@@ -284,3 +302,48 @@ def test_bad_values_are_a_400_naming_the_field(server, path, body, field):
     r = httpx.post(server.url(path), json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+
+@pytest.fixture(scope="module")
+def wide_vocab(tmp_path_factory):
+    """The qwen2 fixture in float32 with its vocabulary widened to 65,536 (random rows past the
+    tokenizer's 1,024): each softmax sums 65,536 terms, spread as a real model's logits are (a few
+    large, a long tail: std ~4 here), the tail's terms far below the running sum. Served, and
+    loaded here for the reference."""
+    out = tmp_path_factory.mktemp("wide-vocab")
+    weights = float_weights(fixture_dir("qwen2"))
+    embed = weights["model.embed_tokens.weight"]
+    extra = np.random.default_rng(0).standard_normal((65536 - len(embed), embed.shape[1])) * embed.std() * 10
+    weights["model.embed_tokens.weight"] = np.concatenate([embed, extra.astype(np.float32)])  # tied: the head too
+    save_file(weights, str(out / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(fixture_dir("qwen2"), name), out)
+    with open(os.path.join(fixture_dir("qwen2"), "config.json")) as f:
+        config = {**json.load(f), "vocab_size": 65536, "dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config))
+    server = start_server("--max-num-seqs", "4", "--served-model-name", "wide", model=str(out))
+    try:
+        yield server, LLM(str(out), max_num_seqs=1, device="cpu")
+    finally:
+        server.stop()
+
+
+def test_lm_eval_scores_over_a_wide_vocabulary_are_those_of_an_exact_log_softmax(wide_vocab, qwen2):
+    """lm-evaluation-harness's loglikelihood request (a batch of token-id prompts, `echo`, `logprobs: 1`,
+    `max_tokens: 1`) over 65,536 tokens: each prompt token's value within 1e-5 of the float64
+    log-softmax of the engine's own logits, each prompt's sum within 1e-4, as lm-eval sums it.
+    A float32 logsumexp, adding the tail's terms one by one to a sum they are far below, lost
+    them: every value too high, here by up to 1e-4 and 3e-3 over the longest prompt."""
+    server, llm = wide_vocab
+    inputs = qwen2[0]
+    prompts = [_long_prompt(inputs), inputs[0], inputs[1]]
+    out = openai_client(server).completions.create(model="wide", prompt=prompts, echo=True, logprobs=1,
+                                                   max_tokens=1, temperature=0, seed=1234)
+    assert len(out.choices) == len(prompts)
+    for choice in out.choices:
+        ids = prompts[choice.index]
+        exact = _plain(llm, ids)[np.arange(len(ids) - 1), ids[1:]]
+        values = np.array(choice.logprobs.token_logprobs[1:len(ids)])
+        assert np.abs(values - exact).max() < 1e-5
+        assert abs(values.sum() - exact.sum()) < 1e-4

@@ -59,12 +59,26 @@ def take(logits: paddle.Tensor, feeds, requests: list[Request]) -> paddle.Tensor
     return logits[:sampling]
 
 
-def score(logits: paddle.Tensor, targets: np.ndarray, k: int):
-    """Per row, in float32 on the logits' device: the log-softmax value of `targets[row]`, its rank
-    (1 + the tokens scored strictly higher) and the `k` best (values, ids), as host arrays."""
+def log_softmax(logits: paddle.Tensor) -> paddle.Tensor:
+    """Log-softmax over the last axis, in float32, with the normalizer's sum taken in float64.
+
+    Not F.log_softmax: Paddle's CPU kernel took ~12 s on one 151,936-token row (it grows with the
+    square of the row). Nor `paddle.logsumexp` in float32: on CPU it adds a row's terms one after
+    the other, so the sum loses bits as it grows and every value comes out too high, by up to 3e-5
+    over 3,072 tokens and 2.5e-4 over 49,152 (a 60-token text scored by lm-evaluation-harness was
+    off by 2e-4 in total). Summed in float64 the values are within 3e-6 of an exact log-softmax of
+    the same logits (the float32 rounding of the values themselves), at the same cost: 45 ms either
+    way for 64 rows of 49,152 on one core (bench/lm_eval_check.py, docs/benchmarks.md)."""
     logits = logits.astype("float32")
-    # Not F.log_softmax (see Sampler._logprobs): Paddle's CPU kernel is slow on long rows.
-    logprobs = logits - paddle.logsumexp(logits, axis=-1, keepdim=True)
+    top = logits.max(axis=-1, keepdim=True)
+    total = paddle.exp(logits - top).astype("float64").sum(axis=-1, keepdim=True)
+    return logits - (top.astype("float64") + paddle.log(total)).astype("float32")
+
+
+def score(logits: paddle.Tensor, targets: np.ndarray, k: int):
+    """Per row, on the logits' device (`log_softmax`): the log-softmax value of `targets[row]`, its
+    rank (1 + the tokens scored strictly higher) and the `k` best (values, ids), as host arrays."""
+    logprobs = log_softmax(logits)
     chosen = paddle.take_along_axis(logprobs, paddle.to_tensor(targets).unsqueeze(1), axis=1)
     ranks = (logprobs > chosen).astype("int64").sum(axis=1) + 1
     if k:

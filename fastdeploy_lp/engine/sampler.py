@@ -29,6 +29,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fastdeploy_lp.engine.prompt_logprobs import log_softmax
 from fastdeploy_lp.engine.request import Logprob, Request
 from fastdeploy_lp.engine.step_rows import StepRows
 from fastdeploy_lp.model import cpu_kernels
@@ -260,9 +261,7 @@ class Sampler:
     def _logprobs(logits, requests):
         if all(r.params.logprobs is None for r in requests):
             return None
-        # Not F.log_softmax: Paddle's CPU kernel took ~12 s on one 151,936-token row (it grows
-        # with the square of the row); this is the same value in milliseconds.
-        return logits - paddle.logsumexp(logits, axis=-1, keepdim=True)
+        return log_softmax(logits)  # not F.log_softmax nor a float32 logsumexp: see there
 
     @staticmethod
     def _pick_logprobs(logprobs, tokens, requests) -> list[Logprob | None]:
