@@ -77,10 +77,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-dtype", help="what adapters are held in (default: the engine's auto)")
     args = parser.parse_args()
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
     weights = {"quantization": "wint8"} if args.weights == "wint8" else {"dtype": args.weights}
+    if args.lora_dtype:
+        weights["lora_dtype"] = args.lora_dtype
     llm = LLM(args.model, enable_lora=True, max_lora_rank=args.rank, max_loras=args.adapters,
               max_num_seqs=args.batch, device="cpu", guided_decoding_backend="off", **weights)
     rng = np.random.default_rng(0)
@@ -96,11 +99,12 @@ def main() -> None:
             for name, lora_request in configurations.items():
                 rates[name].append(decode_rate(llm, prompts, args.output_len, lora_request))
     median = {name: float(np.median(r)) for name, r in rates.items()}
-    print(f"{args.model} {args.weights}, batch {args.batch}, rank {args.rank}, adapters on every projection, "
-          f"median of {args.repeats}:\n\n| requests | decode tok/s | vs base | runs |\n|---|---:|---:|---|")
+    print(f"{args.model} {args.weights}, batch {args.batch}, rank-{args.rank} adapters on every projection held in "
+          f"{args.lora_dtype or 'auto'}, median of {args.repeats}:\n\n| requests | decode tok/s | vs base | runs |\n|---|---:|---:|---|")
     for name, rate in median.items():
         print(f"| {name} | {rate:.1f} | {rate / median['base']:.2f}x | {', '.join(f'{r:.1f}' for r in rates[name])} |")
-    print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch, "rank": args.rank,
+    print(json.dumps({"model": args.model, "weights": args.weights, "lora_dtype": args.lora_dtype or "auto",
+                      "batch": args.batch, "rank": args.rank,
                       "tok_s": median, "runs": rates}))
 
 if __name__ == "__main__":
