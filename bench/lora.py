@@ -36,14 +36,14 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def write_adapter(path: str, config: dict, rank: int, seed: int) -> str:
+def write_adapter(path: str, config: dict, rank: int, seed: int, scale: float = 0.01) -> str:
     rng, tensors = np.random.default_rng(seed), {}
     for layer in range(config["num_hidden_layers"]):
         for name, (out, inp) in projection_shapes(config).items():
             part = "self_attn" if name[0] in "qkvo" else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            tensors[key + ".lora_A.weight"] = rng.standard_normal((rank, inp), dtype=np.float32) * 0.01
-            tensors[key + ".lora_B.weight"] = rng.standard_normal((out, rank), dtype=np.float32) * 0.01
+            tensors[key + ".lora_A.weight"] = rng.standard_normal((rank, inp), dtype=np.float32) * scale
+            tensors[key + ".lora_B.weight"] = rng.standard_normal((out, rank), dtype=np.float32) * scale
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:

@@ -135,3 +135,39 @@ def test_deterministic_mixes_on_the_real_model():
     import deterministic as mixes
     rows = mixes.run_mixes(True, 3, seed=7, model=SMOLLM2)
     assert [r for r in rows if not r["matched"]] == [] and {r["probe"] for r in rows} >= {"guided", "seeded"}
+
+
+def test_a_lora_adapter_on_the_4_bit_file_gives_the_same_update_fused_and_op_by_op(tmp_path):
+    """Issue 39 on a real checkpoint: a PEFT adapter on every projection of the Q4_1 file (its shapes
+    from the file's config) changes the greedy answer, and moves one pass's logits the same with the
+    update inside the fused C call as with Paddle's ops between the block kernels'."""
+    import sys
+    import numpy as np
+    from fastdeploy_lp import LoRARequest
+    from fastdeploy_lp.model import cpu_kernels
+    from fastdeploy_lp.model.runner import SequenceFeed
+    sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "bench"))
+    import lora as lora_bench  # bench/lora.py's PEFT writer
+    llm = LLM(model=SMOLLM2, max_num_seqs=2, enable_lora=True, num_blocks=64)
+    cfg = llm.engine.fd_config.model_config
+    config = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim,
+              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+              "num_hidden_layers": cfg.num_hidden_layers}
+    adapter = LoRARequest("mine", 1, lora_bench.write_adapter(str(tmp_path / "mine"), config, rank=8, seed=0, scale=0.1))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with_adapter, base = llm.chat([messages, messages], params, use_tqdm=False, lora_request=[adapter, None])
+    assert with_adapter.outputs.text != base.outputs.text and "Paris" in base.outputs.text
+    runner, ids, mode = llm.engine.runner, llm.tokenizer.encode("The Eiffel Tower is in"), cpu_kernels.mode()
+    update = {}
+    try:
+        for kernels in ("1", "0"):  # "0": the block kernels still run (only they read Q4_1), the rest is Paddle's
+            cpu_kernels.set_mode(kernels)
+            with_it, without = (runner.forward([SequenceFeed([60, 61], ids, 0, lora=lora)], [60, 61]).numpy()
+                                for lora in (runner.loras.get("mine"), None))
+            update[kernels] = with_it - without
+    finally:
+        cpu_kernels.set_mode(mode)
+    # The two paths' base logits already differ by ~2.5e-3 (the block kernels' inputs are rounded
+    # differently); the update (up to ~14 here) agrees within that.
+    assert np.abs(update["1"] - update["0"]).max() < 0.002 * np.abs(update["1"]).max()
