@@ -18,13 +18,15 @@ import time
 
 import httpx
 import msgpack
+import openai
 import pytest
 import zmq
 
-from fastdeploy_lp import LLM, SamplingParams
+from fastdeploy_lp import LLM, LoRARequest, SamplingParams
 from fastdeploy_lp.config import EngineArgs
-from fastdeploy_lp.engine.data_parallel import engine_placements
+from fastdeploy_lp.engine.data_parallel_engines import engine_placements
 from server_harness import QWEN2, free_port, openai_client, serving, start_server
+from test_lora import make_adapter
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "def main():"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -50,7 +52,7 @@ EVENTS_PORT = _two_free_ports()
 @pytest.fixture(scope="module")
 def server():
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{EVENTS_PORT}"}  # "*": the publisher binds
-    yield from serving("--data-parallel-size", "2", "--max-num-seqs", "4",
+    yield from serving("--data-parallel-size", "2", "--max-num-seqs", "4", "--enable-lora",
                        "--logits-processors", "LogitBiasLogitsProcessor", "--kv-events-config", json.dumps(events))
 
 
@@ -61,7 +63,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(QWEN2, logits_processors=["LogitBiasLogitsProcessor"], max_num_seqs=4)
+    return LLM(QWEN2, logits_processors=["LogitBiasLogitsProcessor"], max_num_seqs=4, enable_lora=True)
 
 
 def engines(server) -> list[dict]:
@@ -102,6 +104,27 @@ def test_concurrent_requests_reach_both_engines_and_match_one_engine(server, cli
     after = [e["num_requests_total"] for e in engines(server)]
     routed = [a - b for a, b in zip(after, before)]
     assert sum(routed) == 8 and min(routed) >= 2, routed
+
+
+def test_adapters_load_and_unload_at_run_time_on_every_engine(server, client, llm, tmp_path):
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    path = make_adapter(tmp_path / "dp", base=QWEN2, rank=4, targets=every, seed=9, scale=1.0)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs.text for o in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=LoRARequest("dp", 1, path))]
+    assert want != [o.outputs.text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    load = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "dp", "lora_path": path}, timeout=60)
+    assert load.status_code == 200, load.text
+    before = [e["num_requests_total"] for e in engines(server)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.completions.create(model="dp", prompt=p, max_tokens=12,
+                                                                 temperature=0).choices[0].text, PROMPTS * 2))
+    assert outs == want * 2  # on both engines (each request on the adapter everywhere)
+    assert min(a - b for a, b in zip([e["num_requests_total"] for e in engines(server)], before)) >= 2
+    bad = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert bad.status_code == 400 and "x" not in {m.id for m in client.models.list().data}
+    assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "dp"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="dp", prompt="x", max_tokens=1)
 
 
 def test_n_choices_stay_on_one_engine(server, client, llm):

@@ -31,7 +31,8 @@ from fastapi import FastAPI
 from fastdeploy_lp.executor.tensor_parallel import TensorParallelError
 from fastdeploy_lp.config import EngineArgs
 from fastdeploy_lp.engine.async_engine import AsyncLLMEngine
-from fastdeploy_lp.engine.data_parallel import DataParallelEngineClient, DataParallelError
+from fastdeploy_lp.engine.data_parallel import DataParallelEngineClient
+from fastdeploy_lp.engine.data_parallel_engines import DataParallelError
 from fastdeploy_lp.engine.engine import LLMEngine
 from fastdeploy_lp.engine.llm import build_engine
 from fastdeploy_lp.engine.protocol import EngineClient

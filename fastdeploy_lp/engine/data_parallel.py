@@ -25,17 +25,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Callable
 
 from fastdeploy_lp.config import EngineArgs
-from fastdeploy_lp.engine.data_parallel_worker import OutputDecoder, run_engine_process
+from fastdeploy_lp.engine.data_parallel_engines import (EngineHandle, engine_placements,
+                                                       spawn_engines, stop_engines, wait_until_ready, exit_status)
+from fastdeploy_lp.engine.data_parallel_worker import OutputDecoder
 from fastdeploy_lp.engine.engine import leading_processors
 from fastdeploy_lp.engine.llm import build_context
 from fastdeploy_lp.engine.protocol import SHUTDOWN_WAIT_S, EngineNotServingError, KVCacheStats, RequestStream
@@ -45,159 +46,6 @@ from fastdeploy_lp.processors.pipeline import LogitsProcessorPipeline
 from fastdeploy_lp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-START_TIMEOUT_S = 600.0  # loading a large checkpoint from a slow disk
-
-
-class DataParallelError(RuntimeError):
-    """An engine process died or hung while starting."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One engine's arguments (its device and thread count set) and the cores it is pinned to."""
-
-    args: EngineArgs
-    cores: list[int] | None
-
-
-def engine_placements(args: EngineArgs, device: str, cores: list[int]) -> list[Placement]:
-    """Where each of `args.data_parallel_size` engines runs; a `ValueError` for what cannot work.
-
-    CPU: `cpu_threads` per engine (default: the `cores` split evenly, the rest left to the front
-    end), each engine pinned to its own cores when they fit. GPU: engine i on the i-th GPU from
-    `device` on."""
-    n = args.data_parallel_size
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"data_parallel_size: must be a positive integer, got {n!r}")
-    if args.tensor_parallel_size > 1:
-        raise ValueError(f"data_parallel_size: {n} engines cannot each split the model "
-                         f"(tensor_parallel_size={args.tensor_parallel_size}); use one of the two")
-    if args.custom_guided_decoding_backends:
-        raise ValueError("data_parallel_size: custom guided-decoding backends hand the engine per-request objects "
-                         "that do not cross to an engine process; serve them with data_parallel_size=1")
-    def one(**changes: Any) -> EngineArgs:
-        return dataclasses.replace(args, data_parallel_size=1, **changes)
-
-    if not device.startswith("cpu"):
-        return [Placement(one(device=gpu), None) for gpu in _gpus(device, n)]
-    threads = args.cpu_threads or len(cores) // n
-    if threads == 0:
-        raise ValueError(f"data_parallel_size: {n} engines on {len(cores)} CPU core(s) leave no core per engine; "
-                         f"use at most {len(cores)} (or set cpu_threads to share cores)")
-    if threads * n > len(cores):
-        logger.warning("data_parallel_size=%d x cpu_threads=%d on %d core(s): the engines share cores (not pinned)",
-                       n, threads, len(cores))
-        return [Placement(one(device=device, cpu_threads=threads), None) for _ in range(n)]
-    return [Placement(one(device=device, cpu_threads=threads), cores[i * threads:(i + 1) * threads])
-            for i in range(n)]
-
-
-def _gpus(device: str, n: int) -> list[str]:
-    import paddle
-
-    first = int(device.split(":")[1]) if ":" in device else 0
-    count = paddle.device.cuda.device_count()
-    if first + n > count:
-        raise ValueError(f"data_parallel_size: {n} engines from {device!r} need GPUs {first}..{first + n - 1}, "
-                         f"but {count} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
-    return [f"gpu:{first + i}" for i in range(n)]
-
-
-@dataclass(eq=False)
-class EngineHandle:
-    """One engine process as the front end sees it."""
-
-    rank: int
-    process: Any
-    conn: Any
-    cores: list[int] | None
-    info: dict = field(default_factory=dict)       # its "ready" message: pid, weight_bytes, threads
-    load: int = 0                                   # unfinished sequences routed to it
-    requests: int = 0                               # requests routed to it since start
-    stats: dict | None = None                       # its latest report
-    counts: tuple[int, int] = (0, 0)                # (running, waiting) as it last said
-    dead: str | None = None                         # why it stopped for good
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, message: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(message)
-
-    @property
-    def serving(self) -> bool:
-        return self.dead is None and (self.stats is None or self.stats["serving"])
-
-    def reason(self) -> str | None:
-        if self.dead is not None:
-            return self.dead
-        return None if self.serving else self.stats["reason"]
-
-
-def spawn_engines(placements: list[Placement], options: dict[str, Any]) -> list[EngineHandle]:
-    """Start one engine process per placement (spawned: a fresh interpreter, no inherited threads)."""
-    context = multiprocessing.get_context("spawn")
-    engines = []
-    for rank, placement in enumerate(placements):
-        ours, theirs = context.Pipe()
-        process = context.Process(target=run_engine_process, name=f"fastdeploy-lp-engine-{rank}", daemon=True,
-                                  args=(rank, placement.args, theirs, placement.cores, options))
-        process.start()
-        theirs.close()
-        engines.append(EngineHandle(rank, process, ours, placement.cores))
-    return engines
-
-
-def wait_until_ready(engines: list[EngineHandle], timeout_s: float = START_TIMEOUT_S) -> None:
-    """Wait until each engine has built its engine; if one fails, its error is raised (a `ValueError`
-    or `OSError` as `build_engine` raised it; the caller stops the others)."""
-    deadline = time.monotonic() + timeout_s
-    for engine in engines:
-        engine.info = _wait_ready(engine, deadline)
-
-
-def _wait_ready(engine: EngineHandle, deadline: float) -> dict:
-    ready = wait_for([engine.conn, engine.process.sentinel], max(0.0, deadline - time.monotonic()))
-    if engine.conn in ready:
-        try:
-            kind, payload = engine.conn.recv()
-        except (EOFError, OSError):
-            kind, payload = "died", None
-        if kind == "ready":
-            return payload
-        if kind == "failed":
-            raise payload
-    if not ready:
-        raise DataParallelError(f"data-parallel engine {engine.rank} did not start within {START_TIMEOUT_S:g} s")
-    engine.process.join(5)
-    raise DataParallelError(f"data-parallel engine {engine.rank} died while starting: {_exit_status(engine.process)}")
-
-
-def _exit_status(process) -> str:
-    code = process.exitcode
-    if code is None:
-        return "still running"
-    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-
-
-def stop_engines(engines: list[EngineHandle], timeout: float) -> None:
-    """Ask every engine process to stop, then terminate (and kill) what is left after `timeout`."""
-    for engine in engines:
-        try:
-            engine.send(("stop",))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + timeout
-    for engine in engines:
-        engine.process.join(max(0.0, deadline - time.monotonic()))
-        if engine.process.is_alive():
-            engine.process.terminate()
-            engine.process.join(2)
-        if engine.process.is_alive():
-            engine.process.kill()
-            engine.process.join(2)
-        engine.conn.close()
-
 
 @dataclass(eq=False)
 class _Routed:
@@ -242,6 +90,8 @@ class DataParallelEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: str | None = None
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._adapters = {} if self.fd_config.lora_config is None else dict(self.fd_config.lora_config.modules)
+        self._lora_calls: dict[str, tuple[EngineHandle, asyncio.Future]] = {}  # call id -> its engine, answer
         logger.info("data parallelism: %s", "; ".join(
             f"engine {e.rank} pid {e.info['pid']} cores {e.cores or 'any'}" for e in self.engines))
 
@@ -283,16 +133,49 @@ class DataParallelEngineClient:
 
     # -- requests (event loop) ------------------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:
-        """The `--lora-modules` every engine process loaded at start-up."""
-        lora_config = self.fd_config.lora_config
-        return {} if lora_config is None else dict(lora_config.modules)
+        """The adapters every live engine process serves: `--lora-modules`, then those loaded since."""
+        return dict(self._adapters)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        raise ValueError("lora_name: adapters load at run time with one engine only; with --data-parallel-size "
-                         "give them as --lora-modules")
+        """Load on every live engine; if one refuses, those that loaded it unload it again, and
+        its error is raised (`ValueError("lora_name: ...")` and the like)."""
+        if self.fd_config.lora_config is None:
+            raise ValueError("lora_name: LoRA is off on this engine (--enable-lora)")
+        live = [e for e in self.engines if e.dead is None]
+        results = await self._on_every_engine(live, "load", name, path)
+        failed = [r for r in results if r is not None]
+        if failed:
+            loaded = [e for e, r in zip(live, results) if r is None]
+            await self._on_every_engine(loaded, "unload", name, None)
+            raise failed[0]
+        self._adapters[name] = path
 
     async def unload_lora_adapter(self, name: str) -> None:
-        raise ValueError("lora_name: adapters unload at run time with one engine only (--data-parallel-size)")
+        if self.fd_config.lora_config is None:
+            raise ValueError("lora_name: LoRA is off on this engine (--enable-lora)")
+        results = await self._on_every_engine([e for e in self.engines if e.dead is None], "unload", name, None)
+        self._adapters.pop(name, None)
+        if any(r is not None for r in results):
+            raise next(r for r in results if r is not None)
+
+    async def _on_every_engine(self, engines: list[EngineHandle], op: str, name: str, path: str | None) -> list:
+        """Each engine's answer to a LoRA command (None: done, else its error), in order; an engine
+        that dies meanwhile answers with why."""
+        calls = []
+        for engine in engines:
+            call_id = uuid.uuid4().hex
+            self._lora_calls[call_id] = (engine, self._loop.create_future())
+            calls.append(call_id)
+            try:
+                engine.send(("lora", call_id, op, name, path))
+            except (OSError, ValueError):  # its pipe broke: it died
+                self._lora_calls[call_id][1].set_result(EngineNotServingError(f"data-parallel engine {engine.rank} "
+                                                                              "is gone"))
+        try:
+            return await asyncio.gather(*(self._lora_calls[c][1] for c in calls))
+        finally:
+            for c in calls:
+                self._lora_calls.pop(c, None)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
@@ -363,7 +246,7 @@ class DataParallelEngineClient:
         engine.process.join(2)
         if self._stopped is None:
             reason = (f"data-parallel engine {engine.rank} (pid {engine.info.get('pid')}) stopped: "
-                      f"{_exit_status(engine.process)}")
+                      f"{exit_status(engine.process)}")
             self._post(self._engine_died, engine, reason)
 
     def _post(self, fn: Callable, *args: Any) -> bool:
@@ -377,6 +260,11 @@ class DataParallelEngineClient:
         kind = message[0]
         if kind == "outputs":
             self._dispatch(message[1])
+            return
+        if kind == "lora_done":
+            call = self._lora_calls.get(message[1])
+            if call is not None and not call[1].done():
+                call[1].set_result(message[2])
             return
         routed = self._requests.get(message[1])
         if routed is None:
@@ -428,6 +316,9 @@ class DataParallelEngineClient:
     def _engine_died(self, engine: EngineHandle, reason: str) -> None:
         engine.dead = reason
         engine.load = 0
+        for dead_engine, answer in self._lora_calls.values():
+            if dead_engine is engine and not answer.done():
+                answer.set_result(EngineNotServingError(reason))
         logger.error("%s; failing its requests, the other engines serve on", reason)
         for routed in [r for r in self._requests.values() if r.engine is engine]:
             self._end(routed, EngineNotServingError(reason))

@@ -2,6 +2,7 @@
 over a pipe by `DataParallelEngineClient` (`data_parallel.py`) in the server's process.
 
 Messages from the front end: `("add", request_id, prompt, params)`, `("abort", request_id)`,
+`("lora", call_id, "load" | "unload", name, path)` (answered `("lora_done", call_id, error or None)`),
 `("stop",)`. To it: `("ready", info)` or `("failed", error)` once at start; then per request
 `("admitted", id)` or `("refused", id, error)`, its outputs in batches `("outputs", [RequestOutput],
 load)` (a request's prompt is sent with its first output only), `("error", id, error)` when its
@@ -167,6 +168,8 @@ class EngineProcess:
             asyncio.ensure_future(self._serve_request(*message[1:]))
         elif kind == "abort":
             self._abort(message[1])
+        elif kind == "lora":
+            asyncio.ensure_future(self._lora(*message[1:]))
         elif kind == "stop":
             self._stop.set()
 
@@ -175,6 +178,18 @@ class EngineProcess:
             self._aborted_early.add(request_id)
         elif request_id in self._streams:
             self._streams[request_id].abort()
+
+    async def _lora(self, call_id: str, op: str, name: str, path: str | None) -> None:
+        """Load or unload an adapter here, as the front end asked every engine to."""
+        try:
+            if op == "load":
+                await self.client.load_lora_adapter(name, path)
+            else:
+                await self.client.unload_lora_adapter(name)
+            error = None
+        except Exception as e:  # noqa: BLE001 -- the front end raises it to the caller
+            error = portable(e)
+        self.send(("lora_done", call_id, error))
 
     async def _serve_request(self, request_id: str, prompt: str | list[int], params) -> None:
         self._admitting.add(request_id)
