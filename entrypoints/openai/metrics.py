@@ -179,9 +179,7 @@ class _SpeculativeCollector:
                  CounterMetricFamily),
                 ("spec_decode_forced_tokens", "Tokens processors forced at draft positions, appended by "
                  "verify passes.", "forced_tokens", CounterMetricFamily)):
-            metric = family(PREFIX + name, doc, labels=["method"])
-            metric.add_metric([stats["method"]], stats[key])
-            yield metric
+            yield _family(PREFIX + name, doc, family, "method", {stats["method"]: stats[key]})
 
 
 class _VLLMNamesCollector:
@@ -201,9 +199,7 @@ class _VLLMNamesCollector:
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens,
                  CounterMetricFamily),
                 ("num_preemptions", "Requests preempted.", stats.preemptions, CounterMetricFamily)):
-            metric = family("vllm:" + name, doc, labels=["model_name"])
-            metric.add_metric([self.model_name], value)
-            yield metric
+            yield _family("vllm:" + name, doc, family, "model_name", {self.model_name: value})
 
 
 class _EngineLoadCollector:
@@ -221,7 +217,12 @@ class _EngineLoadCollector:
                  GaugeMetricFamily),
                 ("engine_requests", "Requests given to this engine.", "num_requests_total", CounterMetricFamily),
                 ("engine_serving", "1 while this engine serves.", "serving", GaugeMetricFamily)):
-            metric = family(PREFIX + name, doc, labels=["engine"])
-            for load in loads:
-                metric.add_metric([str(load["engine"])], float(load[key]))
-            yield metric
+            yield _family(PREFIX + name, doc, family, "engine", {str(load["engine"]): load[key] for load in loads})
+
+
+def _family(name: str, doc: str, family, label: str, values: dict[str, float]):
+    """A metric family of one label, a sample per `values` entry (label value -> value)."""
+    metric = family(name, doc, labels=[label])
+    for label_value, value in values.items():
+        metric.add_metric([label_value], float(value))
+    return metric
