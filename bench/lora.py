@@ -100,7 +100,8 @@ def main() -> None:
                 rates[name].append(decode_rate(llm, prompts, args.output_len, lora_request))
     median = {name: float(np.median(r)) for name, r in rates.items()}
     print(f"{args.model} {args.weights}, batch {args.batch}, rank-{args.rank} adapters on every projection held in "
-          f"{args.lora_dtype or 'auto'}, median of {args.repeats}:\n\n| requests | decode tok/s | vs base | runs |\n|---|---:|---:|---|")
+          f"{args.lora_dtype or 'auto'}, median of {args.repeats}:\n\n"
+          "| requests | decode tok/s | vs base | runs |\n|---|---:|---:|---|")
     for name, rate in median.items():
         print(f"| {name} | {rate:.1f} | {rate / median['base']:.2f}x | {', '.join(f'{r:.1f}' for r in rates[name])} |")
     print(json.dumps({"model": args.model, "weights": args.weights, "lora_dtype": args.lora_dtype or "auto",

@@ -145,7 +145,8 @@ class TensorParallelRunner:
         self.failure: str | None = None
         self._callbacks = []
         self._fail_lock = threading.Lock()
-        self.loras = None if fd_config.lora_config is None else LoRAManager(fd_config.model_config, fd_config.lora_config)
+        lora_config = fd_config.lora_config
+        self.loras = None if lora_config is None else LoRAManager(fd_config.model_config, lora_config)
         shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
         spec = WorkerSpec(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
         started = time.monotonic()

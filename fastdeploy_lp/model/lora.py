@@ -44,8 +44,8 @@ LORA_ADAPTER = "lora_adapter"  # and the `LoRAAdapter` itself, set by the engine
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 PANEL = 16  # B^T is held in panels of this many outputs (layer.h's LORA_PANEL), as the C kernels read it
-LINEARS = ("qkv", "o", "gate_up", "down")
-COLUMN_PARALLEL = ("qkv", "gate_up")  # under tensor parallelism split by output rows; o and down by input columns  # a layer's linears, in the C kernels' order (layer.h)
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the C kernels' order (layer.h)
+COLUMN_PARALLEL = ("qkv", "gate_up")  # under tensor parallelism split by output rows; o and down by input columns
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -61,9 +61,10 @@ class LoRARequest:
 
 @dataclass
 class LoRAAdapter:
-    """One loaded adapter, in `--lora-dtype`: per (layer, fused weight) its stacked A `[a_rows, in]`, scaled
-    B^T in panels `[ceil(out / PANEL), rank, PANEL]` and per output segment the first column of `x @ A^T` it reads (-1: not
-    targeted); `outs` each fused weight's output segments."""
+    """One loaded adapter, in `--lora-dtype`: per (layer, fused weight) its stacked A `[a_rows, in]`,
+    scaled B^T in panels `[ceil(out / PANEL), rank, PANEL]` and per output segment the first column
+    of `x @ A^T` it reads (-1: not targeted); `outs` each fused weight's output segments (this
+    rank's, under tensor parallelism)."""
 
     name: str
     path: str
@@ -77,7 +78,7 @@ class LoRAAdapter:
         """`lora_table` of the adapter's updates, 4 per layer in layer.h's order."""
         if self._table is None:
             self._table = lora_table([self.weights.get((layer, fused)) for layer in range(self.layers)
-                                                  for fused in LINEARS])
+                                      for fused in LINEARS])
         return self._table
 
 
@@ -142,7 +143,8 @@ def load_adapter(name: str, path: str, model_config: ModelConfig, shard: TensorS
     adapter = LoRAAdapter(name, path, rank, layers, outs)
     for (layer, fused), segments in pieces.items():
         a, bt, columns = _fuse(name, layer, fused, segments, shapes[fused], rank, scaling, shard)
-        adapter.weights[(layer, fused)] = (paddle.to_tensor(a).astype(dtype), paddle.to_tensor(bt).astype(dtype), columns)
+        adapter.weights[(layer, fused)] = (paddle.to_tensor(a).astype(dtype), paddle.to_tensor(bt).astype(dtype),
+                                           columns)
     if not adapter.weights:
         raise ValueError(f"target_modules: adapter {name!r} holds no LoRA weights")
     return adapter

@@ -302,8 +302,8 @@ static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidde
  * buffer they alternate with), then the model's norm after them (weight `final_norm`, same eps).
  * Layer i has the norms norms[2i], norms[2i + 1], the linears linears[4i .. 4i + 3] (q/k/v, o,
  * gate/up, down) and the cache caches[2i] (keys), caches[2i + 1] (values); `at` is the attention
- * inputs every layer shares, its caches aside; `lora` the pass's adapters (NULL: none). Returns -1 if a block-format linear found no memory
- * for its buffers (the output is then not computed), else 0. */
+ * inputs every layer shares, its caches aside; `lora` the pass's adapters (NULL: none). Returns -1
+ * if a block-format linear found no memory for its buffers (the output is then not computed), else 0. */
 int fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers, int64_t rows, int64_t hidden,
                          int64_t inter, const float *const *norms, const float *final_norm, float eps,
                          const fdlp_linear_t *linears, float *const *caches, const fdlp_attention_t *at,

@@ -106,8 +106,8 @@ class _LoRA(ctypes.Structure):  # layer.h's fdlp_lora_t
 
 def lora_table(updates: list[tuple[paddle.Tensor, paddle.Tensor, tuple[int, ...]] | None]) -> ctypes.Array:
     """One adapter's updates of a model's linears (4 per layer: q/k/v, o, gate/up, down), each its A
-    `[a_rows, in]`, scaled B^T in panels `[panels, rank, LORA_PANEL]` (layer.h) and the first column each output segment reads (-1:
-    none), or None where it does not touch the linear; float32, bfloat16 or float16 (both alike),
+    `[a_rows, in]`, scaled B^T in panels `[panels, rank, LORA_PANEL]` (layer.h) and the first
+    column each output segment reads (-1: none), or None where it does not touch the linear; float32, bfloat16 or float16 (both alike),
     contiguous, kept alive by the caller."""
     def entry(update):
         if update is None:
