@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 import numpy as np
 import paddle
@@ -288,6 +289,49 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_field(llm, tmp_path):
         LLM(BASE, enable_lora=True, lora_modules=[f"big={cases[0][0]}"], device="cpu", num_blocks=8)
 
 
+@pytest.mark.parametrize("config,weights,field", [
+    ("{not json", None, "lora_path"), ("[1, 2]", None, "lora_path"), ("null", None, "lora_path"),
+    ({"r": True}, None, "r"), ({"lora_alpha": "16"}, None, "lora_alpha"), ({"lora_alpha": None}, None, "lora_alpha"),
+    ({"lora_alpha": float("nan")}, None, "lora_alpha"), ({"target_modules": [1, 2]}, None, "target_modules"),
+    (None, b"garbage" * 100, "lora_path"), (None, "nan", "lora_A")])
+def test_broken_adapter_files_are_refused_naming_the_field(llm, tmp_path, config, weights, field):
+    """Adapter files that are not what PEFT writes are a ValueError naming the field (a 400 from
+    /v1/load_lora_adapter), never another exception (a 500), nor served (NaN weights)."""
+    path = make_adapter(tmp_path / "broken", rank=1)
+    if isinstance(config, dict):
+        cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+        json.dump({**cfg, **config}, open(os.path.join(path, "adapter_config.json"), "w"))
+    elif config is not None:
+        open(os.path.join(path, "adapter_config.json"), "w").write(config)
+    if isinstance(weights, bytes):
+        open(os.path.join(path, "adapter_model.safetensors"), "wb").write(weights)
+    elif weights == "nan":
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        save_file({k: np.full_like(v, np.nan) for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        llm.engine.load_lora_adapter("broken", path)
+    assert "broken" not in llm.engine.lora_adapters()
+
+
+def test_loads_of_one_name_from_different_paths_racing_serve_one(llm, adapters):
+    """Threads loading one name from four paths at once (as concurrent /v1/load_lora_adapter do):
+    one is served, the others are refused naming lora_name, none silently replaced."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load(path):
+        try:
+            llm.engine.load_lora_adapter("twin", path)
+            return path
+        except ValueError as e:
+            assert str(e).startswith("lora_name: "), e
+    with ThreadPoolExecutor(4) as pool:
+        loaded = [p for p in pool.map(load, [adapters[n] for n in "abcd"]) if p is not None]
+    try:
+        assert len(loaded) == 1 and llm.engine.lora_adapters()["twin"] == loaded[0]
+    finally:
+        llm.engine.unload_lora_adapter("twin")
+
+
 def test_max_loras_bounds_the_adapters_of_a_step(adapters):
     llm = LLM(BASE, enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=1, max_num_seqs=4, device="cpu",
               num_blocks=64)
@@ -340,6 +384,9 @@ def test_the_server_serves_adapters_by_model_name(adapters, fruit):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="c", prompt="x", max_tokens=1)
         check_runtime_loading(server, client, adapters, wants["b"])
+        check_names_that_cannot_be_adapters(server, adapters)
+        check_unloaded_while_running(server, adapters, wants["b"])
+        check_one_name_loaded_at_once(server, adapters)
     finally:
         server.stop()
 
@@ -363,3 +410,42 @@ def check_runtime_loading(server, client, adapters, want_b):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt="x", max_tokens=1)
     assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "c"}).status_code == 400
+
+
+def check_names_that_cannot_be_adapters(server, adapters):
+    """An empty name, and a name the base model answers to ('default', its path), are a 400: a
+    request naming it would run on the base, not on the adapter it names."""
+    import httpx
+    for name in ("", "  ", "default", "base", BASE):
+        r = httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": name, "lora_path": adapters["a"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", (name, r.text)
+
+
+def check_unloaded_while_running(server, adapters, want_b):
+    """A request runs on its adapter to the end when the adapter is unloaded meanwhile, and its answer
+    names the adapter it ran on."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+    assert httpx.post(server.url("/v1/load_lora_adapter"), json={"lora_name": "late", "lora_path": adapters["b"]}
+                      ).status_code == 200
+    body = {"model": "late", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, server.url("/v1/completions"), json=body, timeout=120)
+        while server.metric("fastdeploy_lp:num_requests_running") < 1:
+            time.sleep(0.01)
+        assert httpx.post(server.url("/v1/unload_lora_adapter"), json={"lora_name": "late"}).status_code == 200
+        out = running.result().json()
+    assert out["model"] == "late" and out["choices"][0]["text"].startswith(want_b), out
+
+
+def check_one_name_loaded_at_once(server, adapters):
+    """Loads of one name racing from different paths: one is served, the others are a 400."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+    paths = [adapters[n] for n in "abcd"]
+    with ThreadPoolExecutor(len(paths)) as pool:
+        answers = list(pool.map(lambda p: httpx.post(server.url("/v1/load_lora_adapter"),
+                                                     json={"lora_name": "twin", "lora_path": p}, timeout=60), paths))
+    assert sorted(r.status_code for r in answers) == [200, 400, 400, 400], [r.text for r in answers]
+    served = httpx.get(server.url("/v1/models/twin")).json()["root"]
+    assert served == paths[[r.status_code for r in answers].index(200)]

@@ -63,9 +63,10 @@ class OpenAIServing:
                                    "(see GET /v1/models)", param="model", code="model_not_found")
 
     def answer_model(self, name: str | None) -> str:
-        """The `model` an answer names: the LoRA adapter the request named (as vLLM), else the served name."""
-        adapter = name is not None and name not in self.model_aliases and name in self.engine.lora_adapters()
-        return name if adapter else self.model_name
+        """The `model` an answer names: the LoRA adapter the request named (as vLLM), else the served name.
+        `check_model` let the request in, so a name that is not the base's is an adapter's, even one
+        unloaded since (the request still runs on it)."""
+        return name if name is not None and name not in self.model_aliases else self.model_name
 
     def use_adapter(self, params: SamplingParams, name: str | None) -> None:
         """A request whose `model` names a LoRA adapter (`--lora-modules`) runs with it (docs/lora.md)."""

@@ -96,11 +96,19 @@ def read_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     for f in (config_file, weights_file):
         if not os.path.isfile(f):
             raise ValueError(f"lora_path: {path!r} has no {os.path.basename(f)} (a PEFT adapter directory)")
-    with open(config_file) as f:
-        config = json.load(f)
-    from safetensors import safe_open
-    with safe_open(weights_file, framework="paddle") as f:  # numpy has no bfloat16; PEFT often saves it
-        return config, {k: f.get_tensor(k).astype("float32").numpy() for k in f.keys()}
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"lora_path: {config_file!r} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora_path: {config_file!r} is not a JSON object")
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(weights_file, framework="paddle") as f:  # numpy has no bfloat16; PEFT often saves it
+            return config, {k: f.get_tensor(k).astype("float32").numpy() for k in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"lora_path: {weights_file!r} is not a safetensors file: {e}") from None
 
 
 def load_adapter(name: str, path: str, model_config: ModelConfig, shard: TensorShard | None, max_rank: int,
@@ -112,14 +120,18 @@ def load_adapter(name: str, path: str, model_config: ModelConfig, shard: TensorS
     all-reduce sums with theirs (B (x_1 A_1^T + x_2 A_2^T) is the whole update)."""
     config, tensors = read_adapter(path)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"r: adapter {name!r} has rank {rank!r}, must be a positive integer")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"lora_alpha: adapter {name!r} has lora_alpha {alpha!r}, must be a finite number")
     if rank > max_rank:
         raise ValueError(f"r: adapter {name!r} has rank {rank}, more than max_lora_rank={max_rank}")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"rank_pattern: adapter {name!r} uses per-module ranks, not supported")
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
+    if not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"target_modules: adapter {name!r} has target_modules {targets!r}, must be names")
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"target_modules: adapter {name!r} targets {', '.join(unknown)}, which this model does not "
@@ -135,6 +147,8 @@ def load_adapter(name: str, path: str, model_config: ModelConfig, shard: TensorS
         layer = int(m.group(1))
         if layer >= layers:
             raise ValueError(f"target_modules: adapter {name!r} has {key!r}, but the base model has {layers} layers")
+        if not np.isfinite(value).all():
+            raise ValueError(f"lora_{m.group(4)}: adapter {name!r} {key!r} holds NaN or infinite values")
         fused, segment = TARGETS[m.group(3)]
         pieces.setdefault((layer, fused), {}).setdefault(segment, {})[m.group(4)] = value
     ranks = 1 if shard is None else shard.size

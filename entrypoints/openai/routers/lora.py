@@ -36,7 +36,9 @@ async def load_lora_adapter(request: Request):
     """`{"lora_name", "lora_path"}`: serve the PEFT adapter at `lora_path` as model `lora_name`."""
     body = await parse_body(request, LoadLoRAAdapterRequest)
     state = request.app.state
-    if body.lora_name in state.settings.served_model_names or body.lora_name in state.async_engine.lora_adapters():
+    if not body.lora_name.strip():
+        raise bad_request("lora_name: must not be empty", param="lora_name")
+    if body.lora_name in state.completion.model_aliases or body.lora_name in state.async_engine.lora_adapters():
         raise bad_request(f"lora_name: {body.lora_name!r} is already served", param="lora_name")
     with value_errors_as_400():
         await state.async_engine.load_lora_adapter(body.lora_name, body.lora_path)
