@@ -127,7 +127,6 @@ class CpuKernels:
         # One linear entry point for every weight format (layer.h); activations, scales and bias are float32.
         self._linear = library.fdlp_linear
         self._linear.argtypes = [ptr] * 3 + [i64] * 3 + [c_int]
-        self._linear.restype = c_int
         self._dequantize = library.fdlp_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = None
@@ -135,10 +134,8 @@ class CpuKernels:
         self.block_panel_rows.argtypes = [c_int]
         self._quantize_blocks = library.fdlp_quantize_blocks
         self._quantize_blocks.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
-        self._quantize_blocks.restype = c_int
         self._widen_blocks = library.fdlp_widen_blocks
         self._widen_blocks.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
-        self._widen_blocks.restype = c_int
         self._embed_blocks = library.fdlp_embed_blocks
         self._embed_blocks.argtypes = [c_int] + [ptr] * 3 + [i64] * 3
         self._embed_blocks.restype = i64
@@ -171,12 +168,13 @@ class CpuKernels:
         self._rms_norm.argtypes, self.set_batch_invariant.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int], [c_int]
         self._layers = library.fdlp_decoder_layers
         self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 5 + [c_int]
-        self._layers.restype = c_int
         self._lora_update = library.fdlp_lora_update
         self._lora_update.argtypes = [ptr, i64, ptr, ptr] + [i64] * 3 + [ptr, i64, c_int]
         for fn in (self._attention, self._swiglu, self._rotary_write, self._transpose, self._argmax, self._rms_norm,
                    self.set_batch_invariant, self._lora_update):
             fn.restype = None
+        for fn in (self._linear, self._quantize_blocks, self._widen_blocks, self._layers):
+            fn.restype = c_int  # 0, or -1: no memory (or an unknown format)
 
     def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention,
                        lora: LoRAInputs | None = None) -> paddle.Tensor:
