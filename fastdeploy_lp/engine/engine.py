@@ -116,7 +116,6 @@ class LLMEngine:
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
-        self._lora_load_lock = threading.Lock()  # one load at a time: two of one name from two paths race
         self.num_steps = 0
         self.last_progress = time.monotonic()  # last time a step computed tokens or finished a request
 
@@ -178,8 +177,7 @@ class LLMEngine:
         loras = getattr(self.runner, "loras", None)
         if loras is None:
             raise ValueError("lora_name: LoRA is off on this engine (--enable-lora)")
-        with self._lora_load_lock:
-            loras.load(name, path)
+        loras.load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         loras = getattr(self.runner, "loras", None)

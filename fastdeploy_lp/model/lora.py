@@ -215,17 +215,25 @@ class LoRAManager:
         self._lock = threading.Lock()
 
     def load(self, name: str, path: str) -> LoRAAdapter:
-        """Load (or return, when the same path is loaded under `name`) an adapter."""
+        """Load (or return, when the same path is loaded under `name`) an adapter. Two loads of one
+        name racing from two paths: the first to finish reading wins, the other is refused."""
         with self._lock:
             have = self.paths.get(name)
         if have is not None:
-            if os.path.abspath(have) != os.path.abspath(path):
-                raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
+            self._check_same_path(name, have, path)
             return self.get(name)
         adapter = self._read(name, path)
-        with self._lock:
-            self.paths[name] = path
+        with self._lock:  # the name may have been taken while the files were read
+            have = self.paths.get(name)
+            if have is not None:
+                self._check_same_path(name, have, path)
+            self.paths[name] = have or path
             return self._keep(adapter)
+
+    @staticmethod
+    def _check_same_path(name: str, have: str, path: str) -> None:
+        if os.path.abspath(have) != os.path.abspath(path):
+            raise ValueError(f"lora_name: {name!r} is loaded from {have!r}, not {path!r}")
 
     def unload(self, name: str) -> None:
         with self._lock:
