@@ -2,6 +2,7 @@
 
     fastdeploy-lp demo                      # a short offline demo on the built-in model
     fastdeploy-lp serve --model DIR ...     # the OpenAI-compatible server (see `serve --help`)
+    fastdeploy-lp tp-worker --driver H:P    # a tensor-parallel rank, under paddle.distributed.launch
 
 Also runnable as `python -m fastdeploy_lp.entrypoints.cli`.
 """
@@ -27,7 +28,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdeploy-lp",
                                      description="fastdeploy_lp: a Paddle LLM engine with a logits-processor "
                                                  "pipeline and an OpenAI-compatible server.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo,tp-worker}")
     serve = sub.add_parser("serve", help="Run the OpenAI-compatible server.",
                            description="Run the OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
                                        "/v1/models, /v1/logits_processors, /health, /metrics.")
@@ -37,6 +38,15 @@ def make_parser() -> argparse.ArgumentParser:
                                       "(the built-in model unless --model).")
     demo.add_argument("--max-tokens", type=int, default=48, help="Most tokens per answer (default 48).")
     add_arguments(demo, EngineArgs)
+    worker = sub.add_parser(
+        "tp-worker", help="One tensor-parallel rank of a server on another machine (multi-node).",
+        description="One tensor-parallel rank for a driver started with --tensor-parallel-address: run it on each "
+                    "machine under `python -m paddle.distributed.launch --nnodes N --rank I --master HOST:PORT "
+                    "--nproc_per_node K fastdeploy-lp tp-worker --driver HOST:PORT`, with the driver's "
+                    "FDLP_TP_SECRET in the environment. It takes the model and options from the driver. See "
+                    "docs/distributed.md.")
+    worker.add_argument("--driver", required=True, metavar="HOST:PORT",
+                        help="The driver's --tensor-parallel-address, as reachable from this machine.")
     return parser
 
 
@@ -71,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         from fastdeploy_lp.entrypoints.openai.api_server import run_server
 
         return run_server(args)
+    if args.command == "tp-worker":
+        import logging
+
+        from fastdeploy_lp.executor.worker import run_launched_worker
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_launched_worker(args.driver)
     return run_demo(args)
 
 

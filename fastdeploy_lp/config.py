@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy_lp.block_formats import wint4_format
-from fastdeploy_lp.distributed.checks import check_tensor_parallel
+from fastdeploy_lp.distributed.checks import check_launched_ranks, check_tensor_parallel
 from fastdeploy_lp.kv_events_config import KVEventsConfig, parse_kv_events_config
 from fastdeploy_lp.model_config import ModelConfig, default_model_path, normalize_dtype, normalize_quantization
 from fastdeploy_lp.options import (non_negative_float, non_negative_int, option, port_number, positive_float,
@@ -144,6 +144,7 @@ class FDConfig:
     guided_json_number_digits: int
     reasoning_parser: str | None
     tensor_parallel_size: int
+    tensor_parallel_address: str | None  # None: the ranks are spawned here; else where launched ranks connect
     speculative_config: SpeculativeConfig | None  # None: no speculative decoding
     tokenizer_dir: str | None  # Hugging Face tokenizer files replacing the model's own (`--tokenizer`)
     sequence_limits: SequenceLimits  # what one request may ask of every step, checked before it is queued
@@ -216,6 +217,12 @@ class EngineArgs:
         1, "Split the model over N worker processes (GPUs from the device on, NCCL; or CPU, gloo): heads, MLP "
            "columns, vocabulary and KV cache per rank. See docs/distributed.md.", group=MODEL, parse=positive_int,
         aliases=("-tp",), metavar="N")
+    tensor_parallel_address: str | None = option(
+        None, "Multi-node tensor parallelism: start no ranks here, but wait at HOST:PORT for the "
+              "--tensor-parallel-size ranks that `python -m paddle.distributed.launch ... fastdeploy-lp tp-worker "
+              "--driver HOST:PORT` starts on each machine (every machine needs the model at the same path). The "
+              "driver and the ranks share the secret in FDLP_TP_SECRET. See docs/distributed.md.", group=MODEL,
+        metavar="HOST:PORT")
     data_parallel_size: int = option(
         1, "The server runs N engine processes, each with the whole model, behind its one HTTP port, and sends each "
            "request to the least loaded. On CPU each engine gets its own cores (--cpu-threads is per engine; "
@@ -354,7 +361,10 @@ class EngineArgs:
         cache_config = self.create_cache_config()
         device = self.device or default_device()
         model_config = model_config or ModelConfig.from_pretrained(self.model_path)
-        check_tensor_parallel(model_config, device, self.tensor_parallel_size)  # before any weight loads
+        check_tensor_parallel(model_config, device, self.tensor_parallel_size,  # before any weight loads
+                              launched=self.tensor_parallel_address is not None)
+        if self.tensor_parallel_address is not None:
+            check_launched_ranks(self.tensor_parallel_address, self.tensor_parallel_size)
         model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
         if self.deterministic:
             _check_deterministic(model_config, device, self.tensor_parallel_size)
@@ -370,6 +380,7 @@ class EngineArgs:
                         guided_close_on_length=self.guided_close_on_length,
                         guided_json_number_digits=self.guided_json_number_digits,
                         reasoning_parser=self.reasoning_parser, tensor_parallel_size=self.tensor_parallel_size,
+                        tensor_parallel_address=self.tensor_parallel_address,
                         speculative_config=SpeculativeConfig.from_value(self.speculative_config),
                         kv_events_config=KVEventsConfig.from_value(self.kv_events_config, self.enable_prefix_caching),
                         tokenizer_dir=self.tokenizer, sequence_limits=limits, deterministic=self.deterministic,

@@ -44,6 +44,9 @@ ENV_VARS = {v.name: v for v in (
            "are not).", has_old_name=True),
     EnvVar("FDLP_TP_START_TIMEOUT", "900", "Seconds the tensor-parallel ranks get to start and load the "
            "model.", has_old_name=True),
+    EnvVar("FDLP_TP_SECRET", "", "The secret a driver with `--tensor-parallel-address` and the ranks launched for it "
+           "(`fastdeploy-lp tp-worker`) share; each side proves it knows it before any message is read. Required "
+           "there."),
     EnvVar("FDLP_CPU_KERNELS", "auto", "The CPU C kernels: `auto` uses each where it measured faster than "
            "Paddle's op, `1` always, `0` never."),
     EnvVar("FDLP_HUGE_PAGES", "1", "`0`: leave the weights on the 4 KiB pages they get by default; else large "

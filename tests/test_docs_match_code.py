@@ -158,6 +158,8 @@ def test_every_environment_variable_the_docs_name_is_declared_in_envs():
 # flags of the request routers docs/distributed.md starts in front of replicas (sglang-router, vllm-router)
 ROUTER_FLAGS = {"--policy", "--worker-urls", "--health-check-interval-secs", "--cb-timeout-duration-secs",
                 "--kv-event-source", "--kv-event-replay-source", "--kv-event-block-size", "--prometheus-port"}
+# ... and of Paddle's launcher, which starts the ranks of a multi-node server (`--nproc_per_node`, `--log_dir`)
+LAUNCHER_FLAGS = {"--nnodes", "--rank", "--master", "--nproc", "--log"}
 SERVER_FLAG_PAGES = ["server.md", "kv_cache.md", "generation_extensions.md", "guided_decoding.md",
                      "logits_processors.md", "zh/logits_processors.md", "distributed.md", "architecture.md"]
 
@@ -165,9 +167,12 @@ SERVER_FLAG_PAGES = ["server.md", "kv_cache.md", "generation_extensions.md", "gu
 @pytest.mark.parametrize("page", SERVER_FLAG_PAGES)
 def test_every_flag_a_page_names_is_a_flag_of_fastdeploy_lp_serve(page):
     from fastdeploy_lp.entrypoints.openai.args import make_parser
+    from fastdeploy_lp.entrypoints.cli import make_parser as cli_parser
     flags = {s for action in make_parser()._actions for s in action.option_strings}
+    worker = cli_parser()._subparsers._group_actions[0].choices["tp-worker"]
+    flags |= {s for action in worker._actions for s in action.option_strings}  # the ranks' command
     named = set(re.findall(r"(?<![\w-])(--(?:\[no-\])?[a-z][a-z0-9-]*)", _read(os.path.join(ROOT, "docs", page))))
     named -= {"--write-docs"}  # args.py's own command that regenerates the table
-    named -= ROUTER_FLAGS
+    named -= ROUTER_FLAGS | LAUNCHER_FLAGS
     unknown = sorted(f for f in named if f.replace("[no-]", "") not in flags)
     assert unknown == [], f"docs/{page} names flags `fastdeploy-lp serve` does not have: {unknown}"

@@ -1,4 +1,4 @@
-"""Start-up checks for `tensor_parallel_size`, run by `EngineArgs.create_engine_config` (which
+"""Start-up checks for `tensor_parallel_size` (and `tensor_parallel_address`), run by `EngineArgs.create_engine_config` (which
 `LLM()`, the server and `FDConfig.create` go through) before any weight loads."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 from typing import Protocol
+
+from fastdeploy_lp import envs
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +23,13 @@ class SplitCounts(Protocol):
     intermediate_size: int
 
 
-def check_tensor_parallel(model_config: SplitCounts, device: str, size) -> None:
+def check_tensor_parallel(model_config: SplitCounts, device: str, size, launched: bool = False) -> None:
     """Refuse, with a `ValueError` naming `tensor_parallel_size`, a size the model cannot be split
     into (heads, KV heads, MLP columns and vocabulary must divide evenly), or that this machine or
     Paddle build cannot run: more ranks than GPUs, no NCCL (GPU) or gloo (CPU) in the build, a
     platform without Paddle's process groups. On CPU, more ranks than cores is allowed (the ranks
-    share the cores: slower, same results) with a warning."""
+    share the cores: slower, same results) with a warning. `launched`: the ranks run on other
+    machines (`tensor_parallel_address`), whose GPUs and cores this one cannot count."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size: must be a positive integer, got {size!r}")
     if size == 1:
@@ -61,7 +64,7 @@ def check_tensor_parallel(model_config: SplitCounts, device: str, size) -> None:
                              f"was not compiled with")
         first = int(device.split(":")[1]) if ":" in device else 0
         count = paddle.device.cuda.device_count()
-        if first + size > count:
+        if first + size > count and not launched:
             raise ValueError(f"tensor_parallel_size: {size} ranks starting at {device!r} need GPUs {first}.."
                              f"{first + size - 1}, but {count} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
     elif kind == "cpu":
@@ -69,8 +72,36 @@ def check_tensor_parallel(model_config: SplitCounts, device: str, size) -> None:
             raise ValueError(f"tensor_parallel_size: {size} on CPU needs gloo, which this PaddlePaddle build "
                              f"was not compiled with")
         cores = len(os.sched_getaffinity(0))
-        if size > cores:
+        if size > cores and not launched:
             logger.warning("tensor_parallel_size=%d on %d CPU core(s): the ranks share cores, so this is slower "
                            "than tensor_parallel_size=1 (results are the same)", size, cores)
     else:
         raise ValueError(f"tensor_parallel_size: {size} runs on 'cpu' (gloo) or 'gpu' (NCCL), not on {device!r}")
+
+
+def check_launched_ranks(address: str, size: int) -> None:
+    """Refuse a `tensor_parallel_address` the driver could not wait at (no secret, not HOST:PORT, or
+    no ranks to wait for), with a `ValueError` naming it."""
+    if size < 2:
+        raise ValueError("tensor_parallel_address: the ranks it waits for are tensor-parallel ranks; set "
+                         "tensor_parallel_size to their number (2 or more)")
+    parse_address(address)
+    secret()
+
+
+def parse_address(text: str, what: str = "tensor_parallel_address") -> tuple[str, int]:
+    """`HOST:PORT` as a `(host, port)` pair; a `ValueError` naming `what` otherwise."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{what}: expected HOST:PORT (e.g. 10.0.0.1:29600), got {text!r}")
+    return host, int(port)
+
+
+def secret() -> bytes:
+    """The shared secret of the driver and its launched ranks; a `ValueError` when it is unset."""
+    value = envs.get("FDLP_TP_SECRET")
+    if not value:
+        raise ValueError("tensor_parallel_address: set FDLP_TP_SECRET to the same secret in the driver's and every "
+                         "rank's environment (the ranks and the driver exchange pickles, so each side proves it "
+                         "knows the secret first)")
+    return value.encode()

@@ -2,15 +2,16 @@
 
 The engine process is the driver and holds no weights: its scheduler, block pool, processor
 pipeline and sampler are the single-process ones. `tensor_parallel_size` ranks, started with
-`paddle.distributed.spawn` (gloo on CPU, NCCL on GPU), each hold a shard of the model and their KV
-heads' slice of the paged cache (`worker.run_worker`). Each pass the driver sends every rank the
+`paddle.distributed.spawn` (gloo on CPU, NCCL on GPU), or on several machines with
+`paddle.distributed.launch` when `tensor_parallel_address` is set (`remote_ranks.py`), each hold a
+shard of the model and their KV heads' slice of the paged cache (`worker.py`). Each pass the driver sends every rank the
 same feeds over its pipe; the ranks run the pass together (all-reduces after o_proj and down_proj,
 an all-gather of the LM head's vocabulary slices) and rank 0 writes the full `[rows, vocab]`
-logits into a shared memory block (one copy, no pickling), from which they are copied to the
-engine's device, so processors see exactly what one process gives them.
+logits into a shared memory block (one copy, no pickling; launched ranks send them), from which
+they are copied to the engine's device, so processors see exactly what one process gives them.
 
 A rank that dies never hangs the driver: the driver waits on the ranks' pipes *and* their process
-sentinels, and a watcher thread notices a death between passes. Either way the runner records
+sentinels (a launched rank's liveness connection), and a watcher thread notices a death between passes. Either way the runner records
 `failure`, stops the other ranks, tells the `on_failure` callbacks (the server exits) and every
 later `forward` raises `TensorParallelError`.
 """
@@ -35,6 +36,7 @@ import paddle
 
 from fastdeploy_lp import envs
 from fastdeploy_lp.config import FDConfig
+from fastdeploy_lp.executor.remote_ranks import RemoteRank, accept_ranks
 from fastdeploy_lp.executor.worker import WorkerSpec, run_worker
 from fastdeploy_lp.model.lora import LoRAManager
 from fastdeploy_lp.model.runner import SequenceFeed, use_device
@@ -63,6 +65,8 @@ def _spawn_options(device: str, size: int) -> dict:
 
 
 def _describe_exit(process) -> str:
+    if isinstance(process, RemoteRank):
+        return process.describe_exit()
     # Its sentinel fired. Another thread (the watcher, or the pass) may be reaping it right now, and
     # then this thread's waitpid finds nothing: wait until the status shows.
     deadline = time.monotonic() + 2.0
@@ -80,15 +84,15 @@ def _describe_exit(process) -> str:
 
 
 class _Ranks:
-    """The rank processes and their pipes; `stop` may run from any thread, at exit, or when the
-    runner is collected (it must not refer to the runner)."""
+    """The rank processes (or `RemoteRank`s) and their pipes; `stop` may run from any thread, at
+    exit, or when the runner is collected (it must not refer to the runner)."""
 
-    def __init__(self, context, conns: list[Connection], logits: SharedMemory):
+    def __init__(self, processes: list, conns: list[Connection], logits: SharedMemory | None, context=None):
         self.context = context  # spawn's MultiprocessContext: its queues must outlive the start
-        self.processes = context.processes
+        self.processes = processes
         self.conns = conns
         self.logits = logits  # rank 0 writes the logits here; unlinked when the ranks are gone
-        self.unlinked = False
+        self.unlinked = logits is None
         self.stopping = threading.Event()
         self._lock = threading.Lock()
 
@@ -147,19 +151,12 @@ class TensorParallelRunner:
         self._fail_lock = threading.Lock()
         lora_config = fd_config.lora_config
         self.loras = None if lora_config is None else LoRAManager(fd_config.model_config, lora_config)
-        shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
-        spec = WorkerSpec(fd_config, shm.name, logging.getLogger().getEffectiveLevel())
         started = time.monotonic()
         backend = _spawn_options(fd_config.device, self.size)["backend"]
-        try:
-            self._ranks = self._spawn(spec, fd_config.device, shm)
-        except BaseException:
-            shm.unlink()
-            shm.close()
-            raise
+        self._ranks = self._start_ranks(fd_config, started + START_TIMEOUT_S)
         weakref.finalize(self, self._ranks.stop)  # also runs at interpreter exit
         try:
-            replies = self._collect("start", time.monotonic() + START_TIMEOUT_S)
+            replies = self._collect("start", started + START_TIMEOUT_S)
         except _GroupBroken as e:
             self._ranks.stop(graceful=False)  # the others may wait for the failed one in init_parallel_env
             if e.errors:  # the first rank's own error (a bad checkpoint, no memory) says more than the hang
@@ -174,15 +171,39 @@ class TensorParallelRunner:
             raise self._start_error(*errors[0])
         self.num_blocks = min(r[1] for r in replies)
         self.weight_bytes = sum(r[2] for r in replies)  # every rank's shard
+        where = ", ".join(f"{p.host}:{p.pid}" if isinstance(p, RemoteRank) else str(p.pid)
+                          for p in self._ranks.processes)
         logger.info("tensor parallel: %d ranks over %s (pids %s) ready in %.1fs; %d KV cache blocks per rank",
-                    self.size, backend, ", ".join(map(str, self.worker_pids)), time.monotonic() - started,
-                    self.num_blocks)
+                    self.size, backend, where, time.monotonic() - started, self.num_blocks)
         threading.Thread(target=_watch, args=(weakref.ref(self), self._ranks), name="fastdeploy-lp-tp-watch",
                          daemon=True).start()
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._ranks.processes]
+
+    def _start_ranks(self, fd_config: FDConfig, deadline: float) -> _Ranks:
+        """Spawn the ranks here, or wait for the launched ones to connect; either way send each its
+        `WorkerSpec`."""
+        log_level = logging.getLogger().getEffectiveLevel()
+        if fd_config.tensor_parallel_address is not None:
+            conns, ranks = accept_ranks(fd_config.tensor_parallel_address, self.size, deadline)
+            spec = pickle.dumps(WorkerSpec(fd_config, None, log_level), protocol=pickle.HIGHEST_PROTOCOL)
+            remote = _Ranks(ranks, conns, None)
+            try:
+                for conn in conns:
+                    conn.send_bytes(spec)
+            except OSError as e:
+                remote.stop(graceful=False)
+                raise TensorParallelError(f"a tensor-parallel rank left before it was sent the model: {e}") from None
+            return remote
+        shm = SharedMemory(create=True, size=fd_config.max_num_seqs * self.vocab_size * 4)
+        try:
+            return self._spawn(WorkerSpec(fd_config, shm.name, log_level), fd_config.device, shm)
+        except BaseException:
+            shm.unlink()
+            shm.close()
+            raise
 
     def _spawn(self, spec: WorkerSpec, device: str, shm: SharedMemory) -> _Ranks:
         pipes = [multiprocessing.Pipe() for _ in range(self.size)]
@@ -203,7 +224,7 @@ class TensorParallelRunner:
                     os.environ[k] = v
         for _, child in pipes:
             child.close()
-        return _Ranks(context, [parent for parent, _ in pipes], shm)
+        return _Ranks(context.processes, [parent for parent, _ in pipes], shm, context)
 
     @staticmethod
     def _start_error(rank: int, reply: tuple) -> BaseException:
@@ -258,7 +279,7 @@ class TensorParallelRunner:
         except OSError as e:
             process = self._ranks.processes[rank]
             process.join(5)
-            if process.exitcode is None:
+            if process.is_alive():
                 raise _GroupBroken(f"tensor-parallel rank {rank}'s pipe broke before the {what}: {e}", []) from None
             raise _GroupBroken(f"tensor-parallel rank {rank} (pid {process.pid}) {_describe_exit(process)} "
                                f"before the {what}", []) from None
