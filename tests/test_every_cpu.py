@@ -57,11 +57,14 @@ def greedy(prefix: list[str], mode: str) -> dict:
     return json.loads(done.stdout.split("RESULT", 1)[1])
 
 
-@pytest.mark.parametrize("mode", ["1", "0"])  # every C kernel; Paddle's ops only (auto picks from both)
-def test_default_model_decodes_the_same_tokens_on_an_avx2_only_cpu(mode):
+def test_default_model_decodes_the_same_tokens_on_an_avx2_only_cpu():
+    """Every C kernel forced on (mode 1), so each op runs this project's AVX2 build; with Paddle's
+    ops only (mode 0) the emulated run tested Paddle's own CPU dispatch, not this code, and took
+    40 s of the suite."""
+    mode = "1"
     native, emulated = greedy([], mode), greedy(EMULATED, mode)
     assert emulated["isa"] == "avx2"
-    if mode == "1" and native["lanes"] is not None:
+    if native["lanes"] is not None:
         assert emulated["lanes"] == 8  # built for what the process sees, not for the host
     assert emulated["tokens"] == native["tokens"]
     for a, b in zip(emulated["logprobs"], native["logprobs"]):

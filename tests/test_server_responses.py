@@ -225,7 +225,7 @@ def test_store_bound_holds_the_memory_of_hostile_items():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for k in range(20):
+        for k in range(8):  # ~0.7 MB of JSON each: the bound is passed, and evicts, by the third
             req = ResponsesRequest.model_validate(body)
             store.put({"id": f"r{k}", "tools": req.tools_out(), "metadata": req.metadata},
                       prompt_items(req.input_items()))
@@ -234,7 +234,7 @@ def test_store_bound_holds_the_memory_of_hostile_items():
     finally:
         tracemalloc.stop()
     assert store._bytes <= bound and held <= 1.5 * bound, (store._bytes, held)
-    assert store.get("r19").conversation == [{"type": "message", "role": "user", "content": "hi"}]
+    assert store.get("r7").conversation == [{"type": "message", "role": "user", "content": "hi"}]
 
 
 def test_logits_processors_args_apply_and_are_validated(server, client):
