@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 GREETING_TIMEOUT_S = 30.0  # an authenticated rank must say who it is within this
 RETRY_S = 0.5  # a launched rank retries a driver not yet listening this often
+# A machine that crashes or drops off the network sends no FIN: TCP keepalive probes find it after
+# about IDLE + INTERVAL * COUNT seconds of silence, and its connections then read as closed.
+KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 CHANNELS = ("passes", "liveness")
 
 
@@ -136,6 +139,7 @@ def _accept(listener: Listener, key: bytes, greeted: queue.Queue) -> None:
 def _greet(conn: Connection, key: bytes, greeted: queue.Queue) -> None:
     """What `Listener(authkey=key).accept()` does, then the rank's hello, off the accepting thread."""
     try:
+        _keep_alive(conn)
         deliver_challenge(conn, key)
         answer_challenge(conn, key)
         if not conn.poll(GREETING_TIMEOUT_S):
@@ -161,6 +165,15 @@ def connect(driver: str, rank: int, size: int) -> tuple[Connection, Connection]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"nothing listens at {driver}") from None
                 time.sleep(RETRY_S)
+        _keep_alive(conn)
         conn.send(("hello", rank, size, socket.gethostname(), os.getpid(), channel))
         conns.append(conn)
     return conns[0], conns[1]
+
+
+def _keep_alive(conn: Connection) -> None:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the option is the socket's, shared by both fds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in KEEPALIVE.items():
+            if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
