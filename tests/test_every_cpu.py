@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -71,18 +72,18 @@ def test_default_model_decodes_the_same_tokens_on_an_avx2_only_cpu():
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+# One emulated pytest process for both files: each start under qemu imports Paddle at emulated speed
+# (~20 s of the suite per process).
+KERNEL_TESTS = ("(test_cpu_kernels and (matches or argmax or transpose or refused or slice)) or "
+                "(test_block_formats and (Q4_0 or Q4_K or Q6_K or dequantize or several or embedding) and not W4G128)")
+
+
 def test_kernel_unit_tests_pass_on_an_avx2_only_cpu():
+    """The dense kernels' unit tests, and the GGUF block formats' AVX2 and portable builds where the
+    process sees no AVX-512: every format's dequantization, the integer GEMV and widened panels of
+    the K formats, mixed parts."""
     done = run(EMULATED, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py",
-                          "-k", "matches or argmax or transpose or refused or slice"], mode="1", timeout=600)
+                          "tests/test_block_formats.py", "-k", KERNEL_TESTS], mode="1", timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
-
-
-def test_block_format_kernels_are_right_on_an_avx2_only_cpu():
-    """The GGUF block formats' AVX2 and portable builds where the process sees no AVX-512: every
-    format's dequantization, the integer GEMV and widened panels of the K formats, mixed parts."""
-    done = run(EMULATED, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_block_formats.py",
-                          "-k", "(Q4_0 or Q4_K or Q6_K or dequantize or several or embedding) and not W4G128"],
-               mode="1", timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    passed = re.search(r"\b(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= 300 and "failed" not in done.stdout, done.stdout[-500:]
