@@ -146,7 +146,8 @@ def _greet(conn: Connection, key: bytes, greeted: queue.Queue) -> None:
             raise TimeoutError("no greeting")
         greeted.put((conn, conn.recv()))
     except Exception as e:  # noqa: BLE001 - a stranger or a rank with another secret: logged, dropped
-        logger.warning("tensor parallel: dropped a connection that did not authenticate as a rank: %s", e)
+        logger.warning("tensor parallel: dropped a connection that did not authenticate as a rank (not a rank, "
+                       "or one with another FDLP_TP_SECRET): %s", e)
         conn.close()
 
 

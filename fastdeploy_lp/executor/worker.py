@@ -86,7 +86,10 @@ def run_launched_worker(driver: str) -> int:
     try:
         conn, liveness = connect(driver, rank, size)
         spec = conn.recv()
-    except (OSError, EOFError, ValueError, TimeoutError, AuthenticationError) as e:
+    except AuthenticationError:
+        logger.error("rank %d: the driver at %s does not share this rank's FDLP_TP_SECRET", rank, driver)
+        return 1
+    except (OSError, EOFError, ValueError, TimeoutError) as e:
         logger.error("rank %d: could not join the driver at %s: %s", rank, driver, e)
         return 1
     if isinstance(spec, tuple):  # ("refused", reason)
