@@ -23,20 +23,22 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 from fastdeploy_lp import envs
 from fastdeploy_lp.distributed.checks import parse_address, secret
 
 logger = logging.getLogger(__name__)
 
-GREETING_TIMEOUT_S = 30.0  # an authenticated rank must say who it is within this
+GREETING_TIMEOUT_S = 30.0  # a connection silent this long while it authenticates and says who it is is dropped
 RETRY_S = 0.5  # a launched rank retries a driver not yet listening this often
 # A machine that crashes or drops off the network sends no FIN: TCP keepalive probes find it after
-# about IDLE + INTERVAL * COUNT seconds of silence, and its connections then read as closed.
-KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+# about IDLE + INTERVAL * COUNT seconds of silence, and data left unacknowledged for USER_TIMEOUT ms
+# (a large logits reply) fails the send instead of ~15 minutes of retransmission.
+KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 30_000}
 CHANNELS = ("passes", "liveness")
 
 
@@ -62,7 +64,8 @@ class RemoteRank:
             return True
 
     def kill(self) -> None:
-        """Let go of it; a launched rank exits when its passes connection closes."""
+        """Let go of it: a launched rank exits as soon as its liveness channel closes."""
+        _shut(self._liveness)  # close() alone sends no FIN while another thread polls the socket
         self._liveness.close()
 
     def describe_exit(self) -> str:
@@ -74,7 +77,7 @@ def accept_ranks(address: str, size: int, deadline: float) -> tuple[list[Connect
     """Wait at `address` until ranks 0..size-1 have both connected; their passes connections and
     `RemoteRank`s, in rank order. A `TimeoutError` names the ranks still missing at `deadline`."""
     key = secret()
-    listener = Listener(parse_address(address), authkey=None)
+    listener = socket.create_server(parse_address(address))
     greeted: queue.Queue = queue.Queue()
     threading.Thread(target=_accept, args=(listener, key, greeted), name="fastdeploy-lp-tp-accept",
                      daemon=True).start()
@@ -88,6 +91,10 @@ def accept_ranks(address: str, size: int, deadline: float) -> tuple[list[Connect
                 missing = sorted({r for r in range(size) for c in CHANNELS if (r, c) not in joined})
                 raise TimeoutError(f"tensor parallel: rank(s) {', '.join(map(str, missing))} of {size} did not "
                                    f"connect to {address} in time (FDLP_TP_START_TIMEOUT)") from None
+            known = joined.get((hello[1], hello[5])) if isinstance(hello, tuple) and len(hello) == 6 else None
+            if known is not None and known[0].poll(0):  # that rank died before the group formed: relaunched
+                known[0].close()
+                del joined[hello[1], hello[5]]
             refusal = _refusal(hello, size, joined)
             if refusal:
                 logger.warning("tensor parallel: refused a rank's connection: %s", refusal)
@@ -99,6 +106,7 @@ def accept_ranks(address: str, size: int, deadline: float) -> tuple[list[Connect
             conn.close()
         raise
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; the port is free again
         listener.close()
     conns = [joined[r, "passes"][0] for r in range(size)]
     ranks = [RemoteRank(r, joined[r, "passes"][1][3], joined[r, "passes"][1][4], joined[r, "liveness"][0])
@@ -116,6 +124,9 @@ def _refusal(hello, size: int, joined: dict) -> str | None:
         return f"bad rank {rank!r} or channel {channel!r} from {host}"
     if (rank, channel) in joined:
         return f"rank {rank} connected twice (again from {host}, pid {pid}): two launches with the same --rank?"
+    passes = joined.get((rank, "passes"))
+    if channel == "liveness" and passes is not None and passes[1][3:5] != (host, pid):
+        return f"rank {rank}'s liveness channel came from {host} pid {pid}, its passes from {passes[1][3]} pid {passes[1][4]}"
     return None
 
 
@@ -127,12 +138,13 @@ def _refuse(conn: Connection, reason: str) -> None:
     conn.close()
 
 
-def _accept(listener: Listener, key: bytes, greeted: queue.Queue) -> None:
+def _accept(listener: socket.socket, key: bytes, greeted: queue.Queue) -> None:
     while True:
         try:
-            conn = listener.accept()
-        except OSError:  # closed: every rank is in
+            sock, _ = listener.accept()
+        except OSError:  # shut down: every rank is in
             return
+        conn = Connection(sock.detach())
         threading.Thread(target=_greet, args=(conn, key, greeted), name="fastdeploy-lp-tp-greet", daemon=True).start()
 
 
@@ -140,11 +152,12 @@ def _greet(conn: Connection, key: bytes, greeted: queue.Queue) -> None:
     """What `Listener(authkey=key).accept()` does, then the rank's hello, off the accepting thread."""
     try:
         _keep_alive(conn)
+        _receive_timeout(conn, GREETING_TIMEOUT_S)  # a peer that stops answering mid-handshake is dropped
         deliver_challenge(conn, key)
         answer_challenge(conn, key)
-        if not conn.poll(GREETING_TIMEOUT_S):
-            raise TimeoutError("no greeting")
-        greeted.put((conn, conn.recv()))
+        hello = conn.recv()
+        _receive_timeout(conn, 0)
+        greeted.put((conn, hello))
     except Exception as e:  # noqa: BLE001 - a stranger or a rank with another secret: logged, dropped
         logger.warning("tensor parallel: dropped a connection that did not authenticate as a rank (not a rank, "
                        "or one with another FDLP_TP_SECRET): %s", e)
@@ -162,9 +175,9 @@ def connect(driver: str, rank: int, size: int) -> tuple[Connection, Connection]:
             try:
                 conn = Client(address, authkey=key)
                 break
-            except ConnectionRefusedError:
+            except OSError as e:  # not listening yet, the name not resolving yet, its machine still booting
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"nothing listens at {driver}") from None
+                    raise TimeoutError(f"could not reach {driver}: {e}") from None
                 time.sleep(RETRY_S)
         _keep_alive(conn)
         conn.send(("hello", rank, size, socket.gethostname(), os.getpid(), channel))
@@ -178,3 +191,18 @@ def _keep_alive(conn: Connection) -> None:
         for name, value in KEEPALIVE.items():
             if hasattr(socket, name):  # Linux; elsewhere the system's defaults
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _receive_timeout(conn: Connection, seconds: float) -> None:
+    """Reads on `conn` fail after `seconds` without data (0: never): SO_RCVTIMEO, since a
+    Connection reads its descriptor directly and a Python socket timeout would make it non-blocking."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+
+
+def _shut(conn: Connection) -> None:
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass

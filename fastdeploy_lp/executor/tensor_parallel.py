@@ -161,6 +161,9 @@ class TensorParallelRunner:
             self._ranks.stop(graceful=False)  # the others may wait for the failed one in init_parallel_env
             if e.errors:  # the first rank's own error (a bad checkpoint, no memory) says more than the hang
                 raise self._start_error(*e.errors[0]) from None
+            if fd_config.tensor_parallel_address is not None:
+                raise TensorParallelError(f"{e} (its log says why: paddle.distributed.launch's --log_dir on its "
+                                          f"machine)") from None
             raise TensorParallelError(f"{e} (its output above says why; note that the ranks are started with "
                                       f"multiprocessing's spawn, which re-imports the main script: a script "
                                       f"that builds the engine at import time needs "

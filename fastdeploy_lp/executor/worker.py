@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
@@ -76,7 +77,9 @@ def run_launched_worker(driver: str) -> int:
     """`fastdeploy-lp tp-worker --driver HOST:PORT`, run by `paddle.distributed.launch` on each node
     (which sets the same env vars as spawn, and PADDLE_LOCAL_SIZE: the ranks on this node): connect
     to the driver, take its `WorkerSpec`, serve until it stops us. The exit status: 0 when told to
-    stop or when the driver went away, 1 when refused or never connected."""
+    stop, 1 when refused, never connected or failed to start (so the launcher reports a failure),
+    and the process ends at once when the driver closes the liveness channel (it let go of this
+    rank, or is gone), even in the middle of a pass or a collective."""
     from fastdeploy_lp.executor.remote_ranks import connect
 
     if "PADDLE_TRAINER_ID" not in os.environ:
@@ -95,12 +98,22 @@ def run_launched_worker(driver: str) -> int:
     if isinstance(spec, tuple):  # ("refused", reason)
         logger.error("rank %d: the driver at %s refused this rank: %s", rank, driver, spec[1])
         return 1
-    _run(spec, rank, conn, int(os.environ.get("PADDLE_LOCAL_SIZE", "1")))
-    liveness.close()
-    return 0
+    threading.Thread(target=_exit_with_driver, args=(liveness,), name="fastdeploy-lp-tp-liveness", daemon=True).start()
+    return 0 if _run(spec, rank, conn, int(os.environ.get("PADDLE_LOCAL_SIZE", "1"))) else 1
 
 
-def _run(spec: WorkerSpec, rank: int, conn: Connection, ranks_here: int) -> None:
+def _exit_with_driver(liveness: Connection) -> None:
+    """The driver never writes on the liveness channel: readable means it closed it or vanished."""
+    try:
+        liveness.poll(None)
+    except OSError:
+        pass
+    logger.warning("the driver closed this rank's connection: exiting")
+    os._exit(1)
+
+
+def _run(spec: WorkerSpec, rank: int, conn: Connection, ranks_here: int) -> bool:
+    """Start, then serve until stopped; False if the start failed (reported to the driver)."""
     # Ctrl-C in a terminal reaches the whole process group: the driver decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, force=True,  # replaces the root handler `import paddle` adds
@@ -114,13 +127,14 @@ def _run(spec: WorkerSpec, rank: int, conn: Connection, ranks_here: int) -> None
             conn.send(_error(e))
         except OSError:  # the driver is gone
             pass
-        return
+        return False
     out = None
     if rank == 0 and spec.logits_buffer is not None:
         shm = SharedMemory(name=spec.logits_buffer)  # mapped until the process exits; the driver unlinks it
         rows, vocab = spec.fd_config.max_num_seqs, spec.fd_config.model_config.vocab_size
         out = np.ndarray((rows, vocab), dtype=np.float32, buffer=shm.buf)
     _serve(runner, conn, rank, out)
+    return True
 
 
 def _start(spec: WorkerSpec, rank: int, ranks_here: int):
