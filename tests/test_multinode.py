@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import fixture_dir
+from server_harness import free_port
 
 from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.executor import remote_ranks, worker
@@ -27,12 +28,6 @@ from fastdeploy_lp.executor import remote_ranks, worker
 SECRET = "test-secret-0123456789"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(node: int, master: int, driver: str, log_dir: Path) -> subprocess.Popen:
@@ -68,9 +63,9 @@ def _answers(llm: LLM):
 
 def test_two_launched_nodes_answer_as_one_process_and_a_lost_rank_fails_the_engine(tmp_path, monkeypatch):
     reference = _answers(LLM(fixture_dir("llama"), device="cpu", max_num_seqs=2))
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("FDLP_TP_SECRET", SECRET)
-    master = _free_port()
+    master = free_port()
     nodes = [_launch(node, master, address, tmp_path) for node in (0, 1)]
     try:
         strangers: dict = {}
@@ -108,7 +103,7 @@ def test_start_up_refuses_a_missing_secret_a_bad_address_and_one_rank(monkeypatc
 
 def test_a_rank_of_another_group_is_refused_and_the_driver_names_the_ranks_it_waited_for(monkeypatch):
     monkeypatch.setenv("FDLP_TP_SECRET", SECRET)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     result = {}
 
     def driver():
@@ -133,7 +128,7 @@ def test_a_rank_of_another_group_is_refused_and_the_driver_names_the_ranks_it_wa
 def test_a_relaunched_rank_replaces_its_dead_connections_and_silent_peers_are_dropped(monkeypatch):
     monkeypatch.setenv("FDLP_TP_SECRET", SECRET)
     monkeypatch.setattr(remote_ranks, "GREETING_TIMEOUT_S", 1.0)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     result = {}
     thread = threading.Thread(target=lambda: result.update(
         ranks=remote_ranks.accept_ranks(address, 2, time.monotonic() + 20)))

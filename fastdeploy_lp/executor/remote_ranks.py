@@ -46,8 +46,6 @@ class RemoteRank:
     """A launched rank as the driver sees it, with the part of `multiprocessing.Process`'s interface
     the tensor-parallel runner uses (`pid`, `sentinel`, `is_alive`, `join`, `kill`)."""
 
-    exitcode = None  # not knowable from here
-
     def __init__(self, rank: int, host: str, pid: int, liveness: Connection):
         self.rank, self.host, self.pid = rank, host, pid
         self._liveness = liveness
