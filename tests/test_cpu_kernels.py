@@ -62,6 +62,28 @@ def test_linear_with_half_and_int8_weights_matches_their_float32_values(kernels,
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("k", [64, 903])  # 903: every build's lanes end in a tail
+def test_batch_invariant_many_rows_matches_each_row_alone_bit_for_bit(kernels, dtype, k):
+    """In batch-invariant mode 70 rows run the packed kernel (invariant.h) and one row `rows_times`:
+    the same sums, so every bit agrees, with a panel of weight rows cut short (37 of 2 x lanes)."""
+    w, scale = _narrow_weight(dtype, k) if dtype != "float32" else (
+        paddle.to_tensor(np.random.default_rng(k).standard_normal((37, 131), dtype=np.float32)), None)
+    w = (paddle.concat([w] * 7, axis=1)[:, :k] if k > 131 else w[:, :k]).contiguous()
+    rng = np.random.default_rng(k + 1)
+    x = paddle.to_tensor(rng.standard_normal((70, k), dtype=np.float32))
+    bias = paddle.to_tensor(rng.standard_normal(37, dtype=np.float32))
+    kernels.set_batch_invariant(1)
+    try:
+        together = kernels.linear(x, w, bias, scale).numpy()
+        alone = np.concatenate([kernels.linear(x[i:i + 1], w, bias, scale).numpy() for i in range(70)])
+    finally:
+        kernels.set_batch_invariant(0)
+    assert together.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
+    want = paddle.matmul(x, w.astype("float32"), transpose_y=True) * (1 if scale is None else scale) + bias
+    np.testing.assert_allclose(together, want.numpy(), rtol=1e-5, atol=1e-4)
+
 def _narrow_weight(dtype: str, seed: int) -> tuple[paddle.Tensor, paddle.Tensor | None]:
     """A [37, 131] weight in `dtype`, with a per-row scale for int8 (else None)."""
     rng = np.random.default_rng(seed)

@@ -57,6 +57,9 @@ static inline vec load_tail(const float *p, int64_t n) {
     return v;
 }
 
+/* x in every lane: one broadcast (`(vec){0} + x` is an add, which must turn -0 into +0). */
+static inline vec splat(float x) { return __builtin_shuffle((vec){x}, (ivec){0}); }
+
 static inline vec blend(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); }
 
 /* e^x for 16 lanes: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, 2^n in the exponent
@@ -179,6 +182,8 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
             for (int i = 0; i < LANES; i++) buffer[c + s * LANES + i] = x[c + i * split + s];
     return buffer;
 }
+
+#include "invariant.h"
 
 #define WEIGHT float
 #define FORMAT f32

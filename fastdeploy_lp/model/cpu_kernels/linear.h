@@ -205,15 +205,67 @@ static void NAME(linear_rows)(const float *x, const float *xs, const WEIGHT *w, 
             for (int64_t n = n0; n < n1; n++) y[m * ldy + n] += bias[n];
 }
 
+/* Weight rows [n0, n0 + INVARIANT_COLS) lane-major for `invariant_panel`, widened:
+ * out[l][j][c] = w[n0 + c, j * LANES + l] (rows past n_len repeat row n0; their outputs are not kept). */
+static void NAME(pack_panel)(const WEIGHT *w, int64_t n0, int64_t n_len, int64_t k_len, float *out) {
+    int64_t steps = lane_steps(k_len), k_full = k_len - k_len % LANES;
+    for (int g = 0; g < INVARIANT_COLS / LANES; g++) {
+        const WEIGHT *rows[LANES];
+        for (int c = 0; c < LANES; c++) rows[c] = w + (n0 + g * LANES + c < n_len ? n0 + g * LANES + c : n0) * k_len;
+        for (int64_t j = 0; j < steps; j++) {
+            vec r[LANES];
+#pragma GCC unroll 16
+            for (int c = 0; c < LANES; c++)
+                r[c] = j * LANES < k_full ? NAME(load_w)(rows[c] + j * LANES) : NAME(load_w_tail)(rows[c] + k_full, k_len - k_full);
+            transpose(r);
+#pragma GCC unroll 16
+            for (int l = 0; l < LANES; l++) *(vec *)(out + (l * steps + j) * INVARIANT_COLS + g * LANES) = r[l];
+        }
+    }
+}
+
+/* `linear` for many rows of x in batch-invariant mode: the weight one panel at a time per thread,
+ * against x packed once (invariant.h). -1 if there is no memory for the packed copies. */
+static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
+                                  int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
+    float *xpacked = pack_x(x, m_len, k_len, threads);
+    int failed = !xpacked;
+#pragma omp parallel num_threads(threads) if (!failed)
+    {
+        int64_t panels = (n_len + INVARIANT_COLS - 1) / INVARIANT_COLS, threads_here = omp_get_num_threads();
+        int64_t share = (panels + threads_here - 1) / threads_here, start = omp_get_thread_num() * share;
+        int64_t end = start + share < panels ? start + share : panels;
+        float *wp = start < end ? malloc((size_t)(LANES * lane_steps(k_len) * INVARIANT_COLS) * sizeof(float)) : NULL;
+        if (start < end && !wp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t p = start; wp && p < end; p++) {
+            int64_t n0 = p * INVARIANT_COLS;
+            NAME(pack_panel)(w, n0, n_len, k_len, wp);
+            invariant_panel(xpacked, wp, m_len, k_len, scale, y, ldy, n0, n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
+        }
+        free(wp);
+    }
+    free(xpacked);
+    if (bias && !failed)
+        for (int64_t m = 0; m < m_len; m++)
+            for (int64_t n = 0; n < n_len; n++) y[m * ldy + n] += bias[n];
+    return failed ? -1 : 0;
+}
+
 /* y[M, N] (row stride ldy) = (x[M, K] @ w[N, K]^T) * scale[N] (when scale is not NULL) + bias[N] (when
  * bias is not NULL). Each thread takes an equal share of the weight rows (a multiple of 6: whole pairs for the GEMV,
  * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
  * rows at a time so they stay in L2 across x's row tiles. Blocks of 48 dealt out whole gave one of
  * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
- * read 7% slower. */
-static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
-                         int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
+ * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed.
+ * -1 if a buffer could not be allocated (y is then not computed), else 0. */
+static int NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
+                        int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
+    if (batch_invariant && m_len >= INVARIANT_MIN_ROWS)
+        return NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads);
 #ifdef SPLIT
     const float *xs = m_len == 1 && !batch_invariant ? permute_x(x, k_len, SPLIT) : NULL;
 #else
@@ -233,6 +285,7 @@ static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, co
                               PREFETCH_NEXT ? (int64_t)((n2 - n1) * k_len * sizeof(WEIGHT) / 64) : 0);
         }
     }
+    return 0;
 }
 
 #ifdef NARROW /* float32 weights need no widening: Paddle's own ops read them */
