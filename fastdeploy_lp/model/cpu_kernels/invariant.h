@@ -10,8 +10,10 @@
  * register tile of INVARIANT_ROWS x 2 * LANES outputs runs the LANES lanes' FMA chains one after
  * another from the packed panels (two vector loads and INVARIANT_ROWS broadcasts per
  * 2 * INVARIANT_ROWS FMAs, the loads a GEMM's kernel makes), and the tree adds them in the same
- * order. Float32 weights at 1024 rows of the bench model's MLP: ~44 -> ~60 GMAC/s (docs/benchmarks.md).
- * Fewer rows keep `rows_times`, which reads each weight once without packing: the same sums. */
+ * order. 1024 rows x 9728 x 896 on 2 AVX2 threads: float16 weights 53 GMAC/s, float32 64, against
+ * `rows_times`' 42-46 and MKL's float32 GEMM 61 (docs/benchmarks.md). Fewer rows keep `rows_times`,
+ * which reads each weight once without packing: the same sums. Packing the lanes' slices so a slice
+ * of the panel stays in L1 across tiles (as a BLIS kernel blocks) was measured slower here. */
 
 #if LANES == 16
 #define INVARIANT_ROWS 12 /* 12 x 2 accumulators + 2 weight vectors + x: 27 of 32 registers */
@@ -19,9 +21,7 @@
 #define INVARIANT_ROWS 6 /* 6 x 2 accumulators + 2 weight vectors + x: 15 of 16 registers */
 #endif
 #define INVARIANT_COLS (2 * LANES)
-#ifndef INVARIANT_MIN_ROWS
-#define INVARIANT_MIN_ROWS 64 /* below this many rows of x the packing does not pay (bench model, AVX2) */
-#endif
+#define INVARIANT_MIN_ROWS 64 /* the two ran level at 64 rows of the bench model's q/k/v (AVX2) */
 
 #if LANES == 16
 #define LANE_MASK(F, w) {F(0, w), F(1, w), F(2, w), F(3, w), F(4, w), F(5, w), F(6, w), F(7, w), \
@@ -104,19 +104,35 @@ static void lanes_to_y(vec part[LANES][INVARIANT_ROWS][2], const float *scale, f
     }
 }
 
-/* Every tile of x against one packed weight panel (output columns [n0, n0 + cols)): both read in
- * the order they were packed, two sequential streams. */
-static void invariant_panel(const float *xpacked, const float *wp, int64_t m_len, int64_t k_len, const float *scale,
-                            float *y, int64_t ldy, int64_t n0, int cols) {
+/* The tiles of x holding rows [m0, m1) (m0 a multiple of INVARIANT_ROWS) against one packed weight
+ * panel (output columns [n0, n0 + cols)): both read in the order they were packed. */
+static void invariant_panel(const float *xpacked, const float *wp, int64_t m0, int64_t m1, int64_t k_len,
+                            const float *scale, float *y, int64_t ldy, int64_t n0, int cols) {
     int64_t steps = lane_steps(k_len), tile_floats = LANES * steps * INVARIANT_ROWS;
-    for (int64_t m0 = 0; m0 < m_len; m0 += INVARIANT_ROWS) {
+    for (; m0 < m1; m0 += INVARIANT_ROWS) {
         const float *xp = xpacked + (m0 / INVARIANT_ROWS) * tile_floats;
         vec part[LANES][INVARIANT_ROWS][2];
         for (int l = 0; l < LANES; l++)
             lane_chains(xp + l * steps * INVARIANT_ROWS, wp + l * steps * INVARIANT_COLS, steps, part[l]);
         lanes_to_y(part, scale ? scale + n0 : NULL, y + m0 * ldy + n0, ldy,
-                   m_len - m0 < INVARIANT_ROWS ? (int)(m_len - m0) : INVARIANT_ROWS, cols);
+                   m1 - m0 < INVARIANT_ROWS ? (int)(m1 - m0) : INVARIANT_ROWS, cols);
     }
+}
+
+/* Packed weight panels a thread holds at once (about INVARIANT_PANEL_BYTES of them), and rows of x
+ * taken against each in turn (about INVARIANT_X_BYTES of packed x, a multiple of INVARIANT_ROWS):
+ * x is read from memory once per group of panels, not once per panel, and a slice of it stays in
+ * L3 while the group's panels pass over it. 2048 rows, float16 weights, 2 AVX2 threads: 2048 x 896 x
+ * 4864 (x packed: 40 MB) 39 -> 48-54 GMAC/s, 2048 x 9728 x 896 48 -> 52-54. */
+#define INVARIANT_PANEL_BYTES (1 << 20)
+#define INVARIANT_X_BYTES (2 << 20)
+static inline int64_t panels_at_once(int64_t k_len) {
+    int64_t bytes = LANES * lane_steps(k_len) * INVARIANT_COLS * (int64_t)sizeof(float);
+    return INVARIANT_PANEL_BYTES / bytes > 1 ? INVARIANT_PANEL_BYTES / bytes : 1;
+}
+static inline int64_t x_rows_at_once(int64_t k_len) {
+    int64_t rows = INVARIANT_X_BYTES / (LANES * lane_steps(k_len) * (int64_t)sizeof(float));
+    return rows > INVARIANT_ROWS ? rows - rows % INVARIANT_ROWS : INVARIANT_ROWS;
 }
 
 /* x packed for `invariant_panel` (every tile, in parallel), or NULL if there is no memory for it. */

@@ -235,15 +235,22 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
         int64_t panels = (n_len + INVARIANT_COLS - 1) / INVARIANT_COLS, threads_here = omp_get_num_threads();
         int64_t share = (panels + threads_here - 1) / threads_here, start = omp_get_thread_num() * share;
         int64_t end = start + share < panels ? start + share : panels;
-        float *wp = start < end ? malloc((size_t)(LANES * lane_steps(k_len) * INVARIANT_COLS) * sizeof(float)) : NULL;
+        int64_t panel = LANES * lane_steps(k_len) * INVARIANT_COLS, group = panels_at_once(k_len);
+        int64_t x_rows = x_rows_at_once(k_len);
+        float *wp = start < end ? malloc((size_t)(group * panel) * sizeof(float)) : NULL;
         if (start < end && !wp) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t p = start; wp && p < end; p++) {
-            int64_t n0 = p * INVARIANT_COLS;
-            NAME(pack_panel)(w, n0, n_len, k_len, wp);
-            invariant_panel(xpacked, wp, m_len, k_len, scale, y, ldy, n0, n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
+        for (int64_t p0 = start; wp && p0 < end; p0 += group) {
+            int64_t p1 = p0 + group < end ? p0 + group : end;
+            for (int64_t p = p0; p < p1; p++) NAME(pack_panel)(w, p * INVARIANT_COLS, n_len, k_len, wp + (p - p0) * panel);
+            for (int64_t m0 = 0; m0 < m_len; m0 += x_rows)
+                for (int64_t p = p0; p < p1; p++) {
+                    int64_t n0 = p * INVARIANT_COLS;
+                    invariant_panel(xpacked, wp + (p - p0) * panel, m0, m0 + x_rows < m_len ? m0 + x_rows : m_len, k_len,
+                                    scale, y, ldy, n0, n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
+                }
         }
         free(wp);
     }
