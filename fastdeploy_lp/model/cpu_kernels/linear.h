@@ -224,13 +224,15 @@ static void NAME(pack_panel)(const WEIGHT *w, int64_t n0, int64_t n_len, int64_t
     }
 }
 
-/* `linear` for many rows of x in batch-invariant mode: the weight one panel at a time per thread,
- * against x packed once (invariant.h). -1 if there is no memory for the packed copies. */
+/* `linear` for many rows of x in batch-invariant mode: each thread packs its share of the weight a
+ * group of panels at a time and runs x, packed once, against them (invariant.h); the bias is added
+ * after the sums, as `linear_rows` adds it. -1 if there is no memory for the packed copies. */
 static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                                   int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     float *xpacked = pack_x(x, m_len, k_len, threads);
-    int failed = !xpacked;
-#pragma omp parallel num_threads(threads) if (!failed)
+    if (!xpacked) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
     {
         int64_t panels = (n_len + INVARIANT_COLS - 1) / INVARIANT_COLS, threads_here = omp_get_num_threads();
         int64_t share = (panels + threads_here - 1) / threads_here, start = omp_get_thread_num() * share;
@@ -252,12 +254,12 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
                                     scale, y, ldy, n0, n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
                 }
         }
+        int64_t n_end = end * INVARIANT_COLS < n_len ? end * INVARIANT_COLS : n_len;
+        for (int64_t m = 0; bias && wp && m < m_len; m++)
+            for (int64_t n = start * INVARIANT_COLS; n < n_end; n++) y[m * ldy + n] += bias[n];
         free(wp);
     }
     free(xpacked);
-    if (bias && !failed)
-        for (int64_t m = 0; m < m_len; m++)
-            for (int64_t n = 0; n < n_len; n++) y[m * ldy + n] += bias[n];
     return failed ? -1 : 0;
 }
 
