@@ -86,17 +86,20 @@ def test_batch_invariant_many_rows_matches_each_row_alone_bit_for_bit(kernels, d
 
 
 def test_batch_invariant_rows_and_panels_taken_in_groups_match_each_row_alone(kernels):
-    """Past the packed kernel's groups (about 2 MB of x's rows against about 1 MB of weight panels at
-    a time) every row still comes out as it does alone."""
+    """Past the packed kernel's groups (about 2 MB of x's rows against about 4 MB of weight panels at
+    a time), on two threads, every row still comes out as it does alone."""
     rng = np.random.default_rng(5)
-    x = paddle.to_tensor(rng.standard_normal((300, 2000), dtype=np.float32))
-    w = paddle.to_tensor(rng.standard_normal((300, 2000), dtype=np.float32)).astype("float16")
+    x = paddle.to_tensor(rng.standard_normal((140, 4000), dtype=np.float32))  # 2 slices of x in every build
+    w = paddle.to_tensor(rng.standard_normal((600, 4000), dtype=np.float32)).astype("float16")  # 2 groups a thread
     kernels.set_batch_invariant(1)
+    threads = cpu_kernels.threads()
+    cpu_kernels.set_threads(2)
     try:
         together = kernels.linear(x, w).numpy()
-        alone = np.concatenate([kernels.linear(x[i:i + 1], w).numpy() for i in range(300)])
+        alone = np.concatenate([kernels.linear(x[i:i + 1], w).numpy() for i in range(140)])
     finally:
         kernels.set_batch_invariant(0)
+        cpu_kernels.set_threads(threads)
     assert together.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
 
 def _narrow_weight(dtype: str, seed: int) -> tuple[paddle.Tensor, paddle.Tensor | None]:

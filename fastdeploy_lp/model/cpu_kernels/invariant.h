@@ -104,27 +104,28 @@ static void lanes_to_y(vec part[LANES][INVARIANT_ROWS][2], const float *scale, f
     }
 }
 
-/* The tiles of x holding rows [m0, m1) (m0 a multiple of INVARIANT_ROWS) against one packed weight
- * panel (output columns [n0, n0 + cols)): both read in the order they were packed. */
-static void invariant_panel(const float *xpacked, const float *wp, int64_t m0, int64_t m1, int64_t k_len,
-                            const float *scale, float *y, int64_t ldy, int64_t n0, int cols) {
+/* Rows [0, m_len) of packed x (`pack_x_rows`) against one packed weight panel (output columns
+ * [n0, n0 + cols) of y's rows): both read in the order they were packed. */
+static void invariant_panel(const float *xpacked, const float *wp, int64_t m_len, int64_t k_len, const float *scale,
+                            float *y, int64_t ldy, int64_t n0, int cols) {
     int64_t steps = lane_steps(k_len), tile_floats = LANES * steps * INVARIANT_ROWS;
-    for (; m0 < m1; m0 += INVARIANT_ROWS) {
+    for (int64_t m0 = 0; m0 < m_len; m0 += INVARIANT_ROWS) {
         const float *xp = xpacked + (m0 / INVARIANT_ROWS) * tile_floats;
         vec part[LANES][INVARIANT_ROWS][2];
         for (int l = 0; l < LANES; l++)
             lane_chains(xp + l * steps * INVARIANT_ROWS, wp + l * steps * INVARIANT_COLS, steps, part[l]);
         lanes_to_y(part, scale ? scale + n0 : NULL, y + m0 * ldy + n0, ldy,
-                   m1 - m0 < INVARIANT_ROWS ? (int)(m1 - m0) : INVARIANT_ROWS, cols);
+                   m_len - m0 < INVARIANT_ROWS ? (int)(m_len - m0) : INVARIANT_ROWS, cols);
     }
 }
 
 /* Packed weight panels a thread holds at once (about INVARIANT_PANEL_BYTES of them), and rows of x
- * taken against each in turn (about INVARIANT_X_BYTES of packed x, a multiple of INVARIANT_ROWS):
- * x is read from memory once per group of panels, not once per panel, and a slice of it stays in
- * L3 while the group's panels pass over it. 2048 rows, float16 weights, 2 AVX2 threads: 2048 x 896 x
- * 4864 (x packed: 40 MB) 39 -> 48-54 GMAC/s, 2048 x 9728 x 896 48 -> 52-54. */
-#define INVARIANT_PANEL_BYTES (1 << 20)
+ * it packs and takes against each in turn (about INVARIANT_X_BYTES, a multiple of INVARIANT_ROWS):
+ * x is read once per group of panels, not once per panel, a slice of it stays in cache while the
+ * group's panels pass over it, and a thread holds ~6 MB whatever the size of x. 2048 rows, float16
+ * weights, 2 AVX2 threads, against one panel at a time over all of x: 2048 x 896 x 4864 (x packed:
+ * 40 MB) 39 -> 57 GMAC/s, 2048 x 9728 x 896 48 -> 51; groups of 1 MB re-packed x too often (40-44). */
+#define INVARIANT_PANEL_BYTES (4 << 20)
 #define INVARIANT_X_BYTES (2 << 20)
 static inline int64_t panels_at_once(int64_t k_len) {
     int64_t bytes = LANES * lane_steps(k_len) * INVARIANT_COLS * (int64_t)sizeof(float);
@@ -135,12 +136,8 @@ static inline int64_t x_rows_at_once(int64_t k_len) {
     return rows > INVARIANT_ROWS ? rows - rows % INVARIANT_ROWS : INVARIANT_ROWS;
 }
 
-/* x packed for `invariant_panel` (every tile, in parallel), or NULL if there is no memory for it. */
-static float *pack_x(const float *x, int64_t m_len, int64_t k_len, int threads) {
-    int64_t tiles = (m_len + INVARIANT_ROWS - 1) / INVARIANT_ROWS, tile_floats = LANES * lane_steps(k_len) * INVARIANT_ROWS;
-    float *packed = malloc((size_t)(tiles * tile_floats) * sizeof(float));
-    if (!packed) return NULL;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) pack_x_tile(x, t * INVARIANT_ROWS, m_len, k_len, packed + t * tile_floats);
-    return packed;
+/* x's rows [m0, m1) packed for `invariant_panel`, tile after tile. */
+static void pack_x_rows(const float *x, int64_t m0, int64_t m1, int64_t k_len, float *out) {
+    int64_t tile_floats = LANES * lane_steps(k_len) * INVARIANT_ROWS;
+    for (int64_t t = m0; t < m1; t += INVARIANT_ROWS) pack_x_tile(x, t, m1, k_len, out + ((t - m0) / INVARIANT_ROWS) * tile_floats);
 }

@@ -119,14 +119,10 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
         int64_t rows = lin->rows[p], format = lin->format[p];
         const float *bias = lin->bias ? lin->bias + row : NULL, *scale = lin->scale ? lin->scale + row : NULL;
         switch (format) {
-            case 0: if (linear_f32(x, (const float *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
-                break;
-            case 1: if (linear_bf16(x, (const uint16_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
-                break;
-            case 2: if (linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
-                break;
-            case 3: if (linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
-                break;
+            case 0: linear_f32(x, (const float *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 1: linear_bf16(x, (const uint16_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             default:
                 if (m_len < block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
                                                                threads);

@@ -225,12 +225,11 @@ static void NAME(pack_panel)(const WEIGHT *w, int64_t n0, int64_t n_len, int64_t
 }
 
 /* `linear` for many rows of x in batch-invariant mode: each thread packs its share of the weight a
- * group of panels at a time and runs x, packed once, against them (invariant.h); the bias is added
- * after the sums, as `linear_rows` adds it. -1 if there is no memory for the packed copies. */
+ * group of panels at a time and takes slices of x, packed in turn, against them (invariant.h); the
+ * bias is added after the sums, as `linear_rows` adds it. -1 if a thread found no memory for its
+ * packed copies (the caller then runs `rows_times`, the same sums). */
 static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                                   int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
-    float *xpacked = pack_x(x, m_len, k_len, threads);
-    if (!xpacked) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -238,8 +237,9 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
         int64_t share = (panels + threads_here - 1) / threads_here, start = omp_get_thread_num() * share;
         int64_t end = start + share < panels ? start + share : panels;
         int64_t panel = LANES * lane_steps(k_len) * INVARIANT_COLS, group = panels_at_once(k_len);
-        int64_t x_rows = x_rows_at_once(k_len);
-        float *wp = start < end ? malloc((size_t)(group * panel) * sizeof(float)) : NULL;
+        int64_t x_rows = x_rows_at_once(k_len), x_floats = LANES * lane_steps(k_len) * x_rows;
+        float *wp = start < end ? malloc((size_t)(group * panel + x_floats) * sizeof(float)) : NULL;
+        float *xp = wp ? wp + group * panel : NULL;
         if (start < end && !wp) {
 #pragma omp atomic write
             failed = 1;
@@ -247,19 +247,21 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
         for (int64_t p0 = start; wp && p0 < end; p0 += group) {
             int64_t p1 = p0 + group < end ? p0 + group : end;
             for (int64_t p = p0; p < p1; p++) NAME(pack_panel)(w, p * INVARIANT_COLS, n_len, k_len, wp + (p - p0) * panel);
-            for (int64_t m0 = 0; m0 < m_len; m0 += x_rows)
+            for (int64_t m0 = 0; m0 < m_len; m0 += x_rows) {
+                int64_t m1 = m0 + x_rows < m_len ? m0 + x_rows : m_len;
+                pack_x_rows(x, m0, m1, k_len, xp);
                 for (int64_t p = p0; p < p1; p++) {
                     int64_t n0 = p * INVARIANT_COLS;
-                    invariant_panel(xpacked, wp + (p - p0) * panel, m0, m0 + x_rows < m_len ? m0 + x_rows : m_len, k_len,
-                                    scale, y, ldy, n0, n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
+                    invariant_panel(xp, wp + (p - p0) * panel, m1 - m0, k_len, scale, y + m0 * ldy, ldy, n0,
+                                    n_len - n0 < INVARIANT_COLS ? (int)(n_len - n0) : INVARIANT_COLS);
                 }
+            }
         }
         int64_t n_end = end * INVARIANT_COLS < n_len ? end * INVARIANT_COLS : n_len;
         for (int64_t m = 0; bias && wp && m < m_len; m++)
             for (int64_t n = start * INVARIANT_COLS; n < n_end; n++) y[m * ldy + n] += bias[n];
         free(wp);
     }
-    free(xpacked);
     return failed ? -1 : 0;
 }
 
@@ -268,13 +270,13 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
  * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
  * rows at a time so they stay in L2 across x's row tiles. Blocks of 48 dealt out whole gave one of
  * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
- * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed.
- * -1 if a buffer could not be allocated (y is then not computed), else 0. */
-static int NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
+ * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed. */
+static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                         int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
-    if (batch_invariant && m_len >= INVARIANT_MIN_ROWS)
-        return NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads);
+    if (batch_invariant && m_len >= INVARIANT_MIN_ROWS && k_len > 0 &&
+        !NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads))
+        return;
 #ifdef SPLIT
     const float *xs = m_len == 1 && !batch_invariant ? permute_x(x, k_len, SPLIT) : NULL;
 #else
@@ -294,7 +296,6 @@ static int NAME(linear)(const float *x, const WEIGHT *w, const float *scale, con
                               PREFETCH_NEXT ? (int64_t)((n2 - n1) * k_len * sizeof(WEIGHT) / 64) : 0);
         }
     }
-    return 0;
 }
 
 #ifdef NARROW /* float32 weights need no widening: Paddle's own ops read them */
