@@ -39,9 +39,10 @@
         r[i + w] = __builtin_shuffle(a, b, (ivec)LANE_MASK(FROM_HIGH, W));                  \
     }
 
-/* r[i][j] <- r[j][i] for LANES vectors of LANES floats: at each width w the off-diagonal w x w
+/* r[i][j] <- r[j][i] for LANES vectors of LANES floats, in registers (`fdlp_transpose` in kernels.c
+ * transposes a matrix in memory): at each width w the off-diagonal w x w
  * blocks of every 2w x 2w block swap places (log2(LANES) rounds of two-vector shuffles). */
-static inline __attribute__((always_inline)) void transpose(vec r[LANES]) {
+static inline __attribute__((always_inline)) void transpose_lanes(vec r[LANES]) {
 #pragma GCC unroll 4
     for (int w = 1; w < LANES; w *= 2)
 #pragma GCC unroll 16

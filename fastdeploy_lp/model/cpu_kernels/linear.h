@@ -217,7 +217,7 @@ static void NAME(pack_panel)(const WEIGHT *w, int64_t n0, int64_t n_len, int64_t
 #pragma GCC unroll 16
             for (int c = 0; c < LANES; c++)
                 r[c] = j * LANES < k_full ? NAME(load_w)(rows[c] + j * LANES) : NAME(load_w_tail)(rows[c] + k_full, k_len - k_full);
-            transpose(r);
+            transpose_lanes(r);
 #pragma GCC unroll 16
             for (int l = 0; l < LANES; l++) *(vec *)(out + (l * steps + j) * INVARIANT_COLS + g * LANES) = r[l];
         }
@@ -272,7 +272,7 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
  * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
  * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed. */
 static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
-                        int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
+                         int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
     if (batch_invariant && m_len >= INVARIANT_MIN_ROWS && k_len > 0 &&
         !NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads))
