@@ -149,6 +149,27 @@ def test_a_relaunched_rank_replaces_its_dead_connections_and_silent_peers_are_dr
     silent.close()
 
 
+def test_a_rank_that_dies_after_joining_is_not_counted_when_the_last_rank_comes(monkeypatch):
+    monkeypatch.setenv("FDLP_TP_SECRET", SECRET)
+    address = f"127.0.0.1:{free_port()}"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        ranks=remote_ranks.accept_ranks(address, 2, time.monotonic() + 20)))
+    thread.start()
+    for conn in remote_ranks.connect(address, 0, 2):  # joins, then dies with no relaunch yet
+        time.sleep(0.2)
+        conn.close()
+    rank_1 = remote_ranks.connect(address, 1, 2)
+    time.sleep(0.5)
+    assert thread.is_alive()  # still waiting for rank 0
+    rank_0 = remote_ranks.connect(address, 0, 2)
+    thread.join(20)
+    conns, remote = result["ranks"]
+    assert [r.rank for r in remote] == [0, 1] and all(r.is_alive() for r in remote)
+    for conn in [*conns, *rank_0, *rank_1]:
+        conn.close()
+
+
 def test_tp_worker_outside_the_launcher_says_so(monkeypatch):
     monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
     assert worker.run_launched_worker("127.0.0.1:1") == 1

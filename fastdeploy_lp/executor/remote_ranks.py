@@ -82,7 +82,7 @@ def accept_ranks(address: str, size: int, deadline: float) -> tuple[list[Connect
     logger.info("tensor parallel: waiting at %s for %d ranks started with paddle.distributed.launch", address, size)
     joined: dict[tuple[int, str], tuple[Connection, tuple]] = {}
     try:
-        while len(joined) < 2 * size:
+        while len(joined) < 2 * size or _drop_dead(joined):
             try:
                 conn, hello = greeted.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -110,6 +110,18 @@ def accept_ranks(address: str, size: int, deadline: float) -> tuple[list[Connect
     ranks = [RemoteRank(r, joined[r, "passes"][1][3], joined[r, "passes"][1][4], joined[r, "liveness"][0])
              for r in range(size)]
     return conns, ranks
+
+
+def _drop_dead(joined: dict) -> bool:
+    """Close and forget the connections whose rank has gone since it joined; True if there were any.
+    The greeting threads hand over connections in any order, so a dead launch's connection can come
+    in after its relaunch's twin and would otherwise complete the group."""
+    dead = [key for key, (conn, _) in joined.items() if conn.poll(0)]  # readable: end of file
+    for key in dead:
+        logger.warning("tensor parallel: rank %d's %s connection closed before the group formed; waiting for "
+                       "its relaunch", *key)
+        joined.pop(key)[0].close()
+    return bool(dead)
 
 
 def _refusal(hello, size: int, joined: dict) -> str | None:
