@@ -82,6 +82,53 @@ def test_block_linear_is_the_product_of_the_dequantized_weights_and_the_activati
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", GGML + ["W4G128"])
+def test_batch_invariant_rows_come_out_as_each_alone_bit_for_bit(kernels, name):
+    """In batch-invariant mode 70 rows of x run the packed integer GEMM (invariant_blocks.h), 12 the
+    tiles of 8 weight rows, one row alone the same tiles: the same sums, so every bit agrees, on two
+    threads, with the last panel of weight rows cut short (37 of 16)."""
+    n, k = 37, 768
+    raw, rng = random_blocks(name, n, k, seed=3), np.random.default_rng(3)
+    x, bias = rng.standard_normal((70, k), dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    layout, weight = WeightLayout(((name, n),), k), paddle.to_tensor(raw.reshape(-1))
+
+    def linear(rows):
+        return kernels.linear(paddle.to_tensor(x[rows]), weight, paddle.to_tensor(bias), layout=layout).numpy()
+
+    kernels.set_batch_invariant(1)
+    threads = cpu_kernels.threads()
+    cpu_kernels.set_threads(2)
+    try:
+        together, twelve = linear(slice(0, 70)), linear(slice(30, 42))
+        alone = np.concatenate([linear(slice(i, i + 1)) for i in range(70)])
+    finally:
+        kernels.set_batch_invariant(0)
+        cpu_kernels.set_threads(threads)
+    assert together.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
+    assert twelve.view(np.uint32).tolist() == alone[30:42].view(np.uint32).tolist()
+    want = quantized_activations(x) @ reference_values(name, raw).astype(np.float64).T + bias
+    np.testing.assert_allclose(together, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_batch_invariant_gemm_taking_x_in_slices_gives_each_row_as_alone():
+    """The packed GEMM takes x a slice of rows at a time (2 MB; here 16 KB, 8 rows of 768 a slice)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot be built here (no C compiler?)")
+    kernels = cpu_kernels.CpuKernels(cpu_kernels.build(defines=("UNIT_SLICE_BYTES=16384",)))
+    n, k = 21, 768
+    raw, rng = random_blocks("Q4_1", n, k, seed=4), np.random.default_rng(4)
+    x = rng.standard_normal((45, k), dtype=np.float32)
+    layout, weight = WeightLayout((("Q4_1", n),), k), paddle.to_tensor(raw.reshape(-1))
+    kernels.set_batch_invariant(1)
+    try:
+        together = kernels.linear(paddle.to_tensor(x), weight, layout=layout).numpy()
+        alone = np.concatenate([kernels.linear(paddle.to_tensor(x[i:i + 1]), weight, layout=layout).numpy()
+                                for i in range(45)])
+    finally:
+        kernels.set_batch_invariant(0)
+    assert together.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
+
+
 def test_int16_activations_keep_outliers_and_their_neighbours(kernels):
     """What quantized activations cost against float32 ones (docs/gguf.md states it): with one
     channel a hundred times the others, as LLM activations have, int16 per 32 stays within 1e-4 of

@@ -199,6 +199,8 @@ static int BFN(block_panels)(const float *x, const uint8_t *w, const float *bias
     return failed ? -1 : 0;
 }
 
+#include "invariant_blocks.h"
+
 #undef BFN
 #undef BCONCAT
 #undef BCONCAT_

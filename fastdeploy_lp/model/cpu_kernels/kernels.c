@@ -43,7 +43,7 @@ int fdlp_lanes(void) { return LANES; }
 
 /* Batch-invariant mode (`--deterministic`): every linear layer takes the same per-row path whatever
  * the number of rows of x (linear.h's `rows_times` for one row too, not the GEMV with its four
- * accumulators; a block format's integer kernel for many rows too, not widened panels), so one
+ * accumulators; a block format's unit order, invariant_blocks.h, not its GEMV or widened panels), so one
  * row's result does not depend on its neighbours. Each output element is summed by one thread in
  * a fixed order, so it does not depend on the thread count either. */
 static int batch_invariant;
@@ -212,6 +212,7 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 #include "blocks.h"
 #define BLOCK_AHEAD 4096 /* bytes: the narrow formats' GEMV prefetch distance */
 #define PANEL_BYTES (192 << 10) /* a thread's widened weight rows for many rows of x: in L2 with x's tile */
+#define UNIT_GEMM_ROWS 32 /* rows of x from which the batch-invariant block kernel packs a GEMM (invariant_blocks.h) */
 #define BFORMAT FMT_Q4_0
 #define BNAME q4_0
 #include "block_linear.h"

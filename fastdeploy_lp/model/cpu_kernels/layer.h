@@ -54,6 +54,22 @@ static void block_linear_of(int format, const xquant_t *xq, const uint8_t *w, co
     }
 }
 
+/* ... in batch-invariant mode, for any number of rows (invariant_blocks.h). */
+static void block_invariant_of(int format, const xquant_t *xq, const uint8_t *w, const float *bias, float *y,
+                               int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
+    switch (format) {
+        case FMT_Q4_0: unit_linear_q4_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q4_1: unit_linear_q4_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q5_0: unit_linear_q5_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q5_1: unit_linear_q5_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q8_0: unit_linear_q8_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q4_K: unit_linear_q4_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q5_K: unit_linear_q5_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        case FMT_Q6_K: unit_linear_q6_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
+        default: unit_linear_w4g128(xq, w, bias, y, m_len, n_len, k_len, ldy, threads);
+    }
+}
+
 /* ... and for many: widened panels of the weight against float x (block_panels). -1: no memory. */
 static int block_panels_of(int format, const float *x, const uint8_t *w, const float *bias, float *y, int64_t m_len,
                            int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
@@ -96,7 +112,7 @@ int fdlp_block_panel_rows(int format) {
     return format == FMT_Q4_K || format == FMT_Q5_K || format == FMT_Q6_K ? 8 : 64;
 }
 
-/* ... for this call: never in batch-invariant mode, where the integer kernel takes every row count. */
+/* ... for this call: never in batch-invariant mode, where invariant_blocks.h takes every row count on int16 x. */
 static int64_t block_panel_rows(int format) { return batch_invariant ? INT64_MAX : fdlp_block_panel_rows(format); }
 
 /* y[M, N] = x[M, K] @ lin^T (times its row scales, plus its bias), part by part. x is quantized to
@@ -124,7 +140,9 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
             case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             default:
-                if (m_len < block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
+                if (batch_invariant) block_invariant_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
+                                                        threads);
+                else if (m_len < block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
                                                                threads);
                 else if (block_panels_of((int)format, x, w, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
         }
