@@ -1,9 +1,10 @@
-/* The block formats' batch-invariant product (`--deterministic`, docs/deterministic.md), included by
+/* The block formats' product for more than a few rows of x (`fdlp_block_unit_rows`), and for every
+ * row count in batch-invariant mode (`--deterministic`, docs/deterministic.md), included by
  * block_linear.h once per format (BFORMAT, BFN).
  *
- * The integer kernel (block_linear.h) keeps eight partial sums per output and adds them at the end:
- * the same for one row of x as for many, but a GEMM would need eight registers per output. Here
- * each output is one chain instead. A weight's units (32 weights sharing a scale; 16 for Q6_K)
+ * The integer kernel (block_linear.h) keeps eight partial sums per output and adds them at the end,
+ * which a GEMM cannot pack: it would need eight registers per output. Here each output is one
+ * chain instead. A weight's units (32 weights sharing a scale; 16 for Q6_K)
  * each give an exact int32 dot product D with x's int16 quants (exact in any order), so only these
  * float steps fix the result, and every kernel below takes them in this order:
  *
@@ -25,6 +26,21 @@ typedef struct {
     __m256 ws[2], wm;
 } factors_t;
 
+/* r[i][j] <- r[j][i] for 8 vectors of 8 floats, in registers. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++)
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+
 /* The float16 values at at[r] + offset, r = 0..7, in one vector's lanes. */
 static inline __m128i f16x8(const uint8_t *const at[8], int offset) {
     uint16_t h[8];
@@ -35,11 +51,11 @@ static inline __m128i f16x8(const uint8_t *const at[8], int offset) {
     return _mm_insert_epi16(v, h[7], 7);
 }
 
-/* Lane i of the result = the sum of v[i]'s eight int32 lanes (exact: integers, in any order). */
-static inline __m256i lane_totals(const __m256i v[8]) {
-    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+/* Lane r of the result = the sum of row r's eight int32 lanes, from quad[h] = the pair sums of rows
+ * 4h..4h+3 (hadds of hadds; exact: integers, in any order). */
+static inline __m256i quad_totals(const __m256i quad[2]) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(quad[0], quad[1], 0x20),
+                            _mm256_permute2x128_si256(quad[0], quad[1], 0x31));
 }
 #endif
 
@@ -51,20 +67,29 @@ static inline __m256i lane_totals(const __m256i v[8]) {
 #if defined(__AVX2__)
 #define ONE_SCALE (UNIT_GROUPS == 1 || BFORMAT == FMT_W4G128) /* a block's float16 scale (and minimum) first */
 
-/* The 8 weight rows' factors for their group j. */
-static inline __attribute__((always_inline)) factors_t BFN(unit_factors)(const uint8_t *const at[8], const head_t h[8],
-                                                                         int j) {
-    factors_t f;
+/* The 8 weight rows' factors for every group j of their block b: f[j]. The K formats' come from
+ * the heads by 8 x 8 transposes, once a block (built lane by lane for each group they were a
+ * Q6_K decode step's largest cost but for the unpacking). */
+static inline __attribute__((always_inline)) void BFN(block_factors)(const uint8_t *const at[8], const head_t h[8],
+                                                                     factors_t f[UNIT_GROUPS]) {
     if (ONE_SCALE) {
-        f.ws[0] = f.ws[1] = _mm256_cvtph_ps(f16x8(at, 0));
-        f.wm = has_minimum(BFORMAT) ? _mm256_cvtph_ps(f16x8(at, 2)) : _mm256_setzero_ps();
-        return f;
+        f[0].ws[0] = f[0].ws[1] = _mm256_cvtph_ps(f16x8(at, 0));
+        f[0].wm = has_minimum(BFORMAT) ? _mm256_cvtph_ps(f16x8(at, 2)) : _mm256_setzero_ps();
+        for (int j = 1; j < UNIT_GROUPS; j++) f[j] = f[0];
+        return;
     }
-    for (int u = 0; u < 2; u++)
-        f.ws[u] = _mm256_setr_ps(h[0].d[2 * j + u], h[1].d[2 * j + u], h[2].d[2 * j + u], h[3].d[2 * j + u],
-                                 h[4].d[2 * j + u], h[5].d[2 * j + u], h[6].d[2 * j + u], h[7].d[2 * j + u]);
-    f.wm = _mm256_setr_ps(h[0].m[j], h[1].m[j], h[2].m[j], h[3].m[j], h[4].m[j], h[5].m[j], h[6].m[j], h[7].m[j]);
-    return f;
+    __m256 even[8], odd[8], mins[8];
+    for (int r = 0; r < 8; r++) { /* row r's d[2j] and d[2j + 1], j = 0..7 */
+        __m256 a = _mm256_loadu_ps(h[r].d), b = _mm256_loadu_ps(h[r].d + 8);
+        even[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+        odd[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+        mins[r] = has_minimum(BFORMAT) ? _mm256_loadu_ps(h[r].m) : _mm256_setzero_ps();
+    }
+    transpose8(even);
+    if (UNIT == 16) transpose8(odd);
+    if (has_minimum(BFORMAT)) transpose8(mins);
+    for (int j = 0; j < UNIT_GROUPS; j++)
+        f[j].ws[0] = even[j], f[j].ws[1] = UNIT == 16 ? odd[j] : even[j], f[j].wm = mins[j];
 }
 #else
 #define ONE_SCALE 0
@@ -75,24 +100,48 @@ static inline __attribute__((always_inline)) void BFN(block_heads)(const uint8_t
                                                                    const uint8_t *at[8], head_t h[8]) {
     for (int r = 0; r < 8; r++) {
         at[r] = rows[r] + b * block_bytes(BFORMAT);
-        __builtin_prefetch(at[r] + BLOCK_AHEAD);
+        for (int line = 0; line * 64 < block_bytes(BFORMAT); line++) /* a K block spans 3 (Q6_K: 4) */
+            __builtin_prefetch(at[r] + line * 64 + BLOCK_AHEAD);
         if (!ONE_SCALE) unpack_head(BFORMAT, at[r], &h[r]);
     }
 }
 
 #if defined(__AVX2__)
-/* One group of 8 weight rows against one row of x, from the pair sums of its halves: the chains'
- * next steps (x's group scale dx, scaled sum sx). */
-static inline __attribute__((always_inline)) void BFN(unit_step)(__m256i lo[8], __m256i hi[8], const factors_t *f,
-                                                                 float dx, float sx, __m256 *acc, __m256 *mins) {
-    __m256 d = _mm256_set1_ps(dx);
-    if (UNIT == 32) {
-        for (int r = 0; r < 8; r++) lo[r] = _mm256_add_epi32(lo[r], hi[r]);
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(lo)), _mm256_mul_ps(f->ws[0], d), *acc);
-    } else {
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(lo)), _mm256_mul_ps(f->ws[0], d), *acc);
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(hi)), _mm256_mul_ps(f->ws[1], d), *acc);
+/* Group j of the 8 weight rows (unpacked from at[r], or given in q) against one row of x's group:
+ * lane r of *lo = row r's dot product over the group's first unit, *hi over its second (Q6_K).
+ * Rows are added in pairs and quads as they come, so a few sums stay live, not 8 (16 for Q6_K's
+ * halves, which spilled). */
+static inline __attribute__((always_inline)) void BFN(group_totals)(const uint8_t *const at[8], const group_t *q,
+                                                                    int j, __m256i xlo, __m256i xhi, __m256i *lo,
+                                                                    __m256i *hi) {
+    __m256i quad_lo[2], quad_hi[2];
+    for (int half = 0; half < 2; half++) {
+        __m256i pair_lo[2], pair_hi[2];
+        for (int p = 0; p < 2; p++) {
+            int r = 4 * half + 2 * p;
+            group_t q0, q1;
+            if (q) q0 = q[r], q1 = q[r + 1];
+            else unpack_group(BFORMAT, at[r], j, &q0), unpack_group(BFORMAT, at[r + 1], j, &q1);
+            __m256i l0 = _mm256_madd_epi16(q0.lo, xlo), h0 = _mm256_madd_epi16(q0.hi, xhi);
+            __m256i l1 = _mm256_madd_epi16(q1.lo, xlo), h1 = _mm256_madd_epi16(q1.hi, xhi);
+            if (UNIT == 32)
+                pair_lo[p] = _mm256_hadd_epi32(_mm256_add_epi32(l0, h0), _mm256_add_epi32(l1, h1));
+            else
+                pair_lo[p] = _mm256_hadd_epi32(l0, l1), pair_hi[p] = _mm256_hadd_epi32(h0, h1);
+        }
+        quad_lo[half] = _mm256_hadd_epi32(pair_lo[0], pair_lo[1]);
+        if (UNIT == 16) quad_hi[half] = _mm256_hadd_epi32(pair_hi[0], pair_hi[1]);
     }
+    *lo = quad_totals(quad_lo);
+    if (UNIT == 16) *hi = quad_totals(quad_hi);
+}
+
+/* The 8 rows' chains' next steps from their unit sums (x's group scale dx, scaled sum sx). */
+static inline __attribute__((always_inline)) void BFN(unit_step)(__m256i lo, __m256i hi, const factors_t *f, float dx,
+                                                                 float sx, __m256 *acc, __m256 *mins) {
+    __m256 d = _mm256_set1_ps(dx);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f->ws[0], d), *acc);
+    if (UNIT == 16) *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f->ws[1], d), *acc);
     if (has_minimum(BFORMAT)) *mins = _mm256_fmadd_ps(f->wm, _mm256_set1_ps(sx), *mins);
 }
 
@@ -104,18 +153,15 @@ static void BFN(unit_tile1)(const xquant_t *x, const uint8_t *const rows[8], int
         head_t h[8];
         const uint8_t *at[8];
         BFN(block_heads)(rows, b, at, h);
+        factors_t f[UNIT_GROUPS];
+        BFN(block_factors)(at, h, f);
         for (int j = 0; j < UNIT_GROUPS; j++) {
             int64_t g = b * UNIT_GROUPS + j;
-            factors_t f = BFN(unit_factors)(at, h, j);
             const int16_t *xq = x->q + m * x->k + 32 * g;
             __m256i xlo = _mm256_loadu_si256((const __m256i *)xq), xhi = _mm256_loadu_si256((const __m256i *)(xq + 16));
-            __m256i lo[8], hi[8];
-            for (int r = 0; r < 8; r++) {
-                group_t q;
-                unpack_group(BFORMAT, at[r], j, &q);
-                lo[r] = _mm256_madd_epi16(q.lo, xlo), hi[r] = _mm256_madd_epi16(q.hi, xhi);
-            }
-            BFN(unit_step)(lo, hi, &f, x->d[m * x->groups + g], x->s[m * x->groups + g], &acc, &mins);
+            __m256i lo, hi = lo = _mm256_setzero_si256();
+            BFN(group_totals)(at, NULL, j, xlo, xhi, &lo, &hi);
+            BFN(unit_step)(lo, hi, &f[j], x->d[m * x->groups + g], x->s[m * x->groups + g], &acc, &mins);
         }
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, mins));
@@ -144,18 +190,21 @@ static void BFN(unit_tile)(const xquant_t *x, const uint8_t *w, float *y, int64_
         head_t h[8];
         const uint8_t *at[8];
         BFN(block_heads)(rows, b, at, h);
+#if defined(__AVX2__)
+        factors_t f[UNIT_GROUPS];
+        BFN(block_factors)(at, h, f);
+#endif
         for (int j = 0; j < UNIT_GROUPS; j++) {
             int64_t g = b * UNIT_GROUPS + j;
 #if defined(__AVX2__)
-            factors_t f = BFN(unit_factors)(at, h, j);
             group_t q[8];
             for (int r = 0; r < 8; r++) unpack_group(BFORMAT, at[r], j, &q[r]);
             for (int64_t m = m0; m < m1; m++) {
                 const int16_t *xq = x->q + m * x->k + 32 * g;
                 __m256i xlo = _mm256_loadu_si256((const __m256i *)xq), xhi = _mm256_loadu_si256((const __m256i *)(xq + 16));
-                __m256i lo[8], hi[8];
-                for (int r = 0; r < 8; r++) lo[r] = _mm256_madd_epi16(q[r].lo, xlo), hi[r] = _mm256_madd_epi16(q[r].hi, xhi);
-                BFN(unit_step)(lo, hi, &f, x->d[m * x->groups + g], x->s[m * x->groups + g], (__m256 *)acc[m - m0],
+                __m256i lo, hi = lo = _mm256_setzero_si256();
+                BFN(group_totals)(NULL, q, j, xlo, xhi, &lo, &hi);
+                BFN(unit_step)(lo, hi, &f[j], x->d[m * x->groups + g], x->s[m * x->groups + g], (__m256 *)acc[m - m0],
                                (__m256 *)mins[m - m0]);
             }
 #else
