@@ -66,17 +66,16 @@ def test_dequantize_matches_gguf_bit_for_bit(kernels, name):
 
 
 @pytest.mark.parametrize("name", GGML + ["W4G128"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 33, 64, 70])  # integer GEMV and tiles, then widened panels
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 16, 33, 64, 70])  # integer GEMV and tiles, units, unit GEMM
 def test_block_linear_is_the_product_of_the_dequantized_weights_and_the_activations(kernels, name, rows):
-    """Few rows of x: int16 activations against the blocks as integers; many: float activations
-    against widened panels. Either way the product of the dequantized weights."""
+    """Int16 activations against the blocks as integers: few rows of x in the integer kernel, more
+    in the unit order (`fdlp_block_unit_rows`), many as its packed GEMM. Each the product of the
+    dequantized weights and the quantized activations."""
     n, k = 37, 768  # an odd row count: the last pair has one row
     raw, rng = random_blocks(name, n, k, seed=rows), np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), dtype=np.float32)
     bias = rng.standard_normal(n, dtype=np.float32)
-    panels = rows >= kernels.block_panel_rows(FORMATS[name].code)
-    activations = x.astype(np.float64) if panels else quantized_activations(x)
-    want = activations @ reference_values(name, raw).astype(np.float64).T + bias
+    want = quantized_activations(x) @ reference_values(name, raw).astype(np.float64).T + bias
     got = kernels.linear(paddle.to_tensor(x), paddle.to_tensor(raw.reshape(-1)), paddle.to_tensor(bias),
                          layout=WeightLayout(((name, n),), k)).numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
@@ -159,10 +158,10 @@ def test_a_weight_of_several_formats_is_multiplied_part_by_part(kernels):
     layout = WeightLayout(tuple(parts), k)
     bias = rng.standard_normal(layout.rows, dtype=np.float32)
     data = paddle.to_tensor(np.concatenate(data))
-    for rows in (3, 9):  # Q4_K and Q6_K: integers, then panels
+    for rows in (3, 9):  # Q4_K and Q6_K: the integer kernel, then the unit order
         x = rng.standard_normal((rows, k), dtype=np.float32)
         got = kernels.linear(paddle.to_tensor(x), data, paddle.to_tensor(bias), layout=layout).numpy()
-        quantized = x.astype(np.float64) if rows >= 8 else quantized_activations(x)
+        quantized = quantized_activations(x)
         want = np.concatenate([(quantized if name != "F16" else x.astype(np.float64)) @ v.astype(np.float64).T
                                for (name, _), v in zip(parts, values)], axis=1) + bias
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

@@ -130,8 +130,8 @@ class CpuKernels:
         self._dequantize = library.fdlp_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = None
-        self.block_panel_rows = library.fdlp_block_panel_rows  # rows of x from which a format's panels run
-        self.block_panel_rows.argtypes = [c_int]
+        self.block_unit_rows = library.fdlp_block_unit_rows  # rows of x from which a format's unit order runs
+        self.block_unit_rows.argtypes = [c_int]
         self._quantize_blocks = library.fdlp_quantize_blocks
         self._quantize_blocks.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._widen_blocks = library.fdlp_widen_blocks

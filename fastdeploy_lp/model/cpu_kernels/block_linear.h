@@ -171,34 +171,6 @@ static void BFN(widen_rows)(const uint8_t *w, int64_t n0, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; r++) BFN(panel_of)(w, row_bytes, n0 + r, 1, k_len, out + r * k_len);
 }
 
-/* The linear for many rows of x (batched decode, prefill): each thread widens a panel of its
- * weight rows to float32 (in L2) and multiplies it by every tile of x with linear.h's float
- * kernel: float activations, exact as the float path, and a weight group unpacked once for all
- * rows of x where the integer kernel unpacks it once per tile of X_ROWS and spends 7 operations a
- * group and row against the float kernel's 4 FMAs. */
-static int BFN(block_panels)(const float *x, const uint8_t *w, const float *bias, float *y, int64_t m_len,
-                             int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
-    const int64_t row_bytes = k_len / (BFORMAT == FMT_Q4_K || BFORMAT == FMT_Q5_K || BFORMAT == FMT_Q6_K ? 256
-                                       : BFORMAT == FMT_W4G128 ? 128 : 32) * block_bytes(BFORMAT);
-    int64_t panel = (PANEL_BYTES / (k_len * (int64_t)sizeof(float))) / WEIGHT_ROWS * WEIGHT_ROWS;
-    panel = panel < WEIGHT_ROWS ? WEIGHT_ROWS : panel > 48 ? 48 : panel;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        int64_t parts = omp_get_num_threads(), share = (n_len + parts - 1) / parts;
-        int64_t start = omp_get_thread_num() * share, end = start + share < n_len ? start + share : n_len;
-        float *buffer = panel_buffer(panel * k_len);
-        failed = start < end && !buffer;
-        for (int64_t n0 = start; buffer && n0 < end; n0 += panel) {
-            int64_t rows = n0 + panel < end ? panel : end - n0;
-            BFN(panel_of)(w, row_bytes, n0, rows, k_len, buffer);
-            /* the widened panel multiplied as a float32 weight */
-            linear_rows_f32(x, NULL, buffer, NULL, bias ? bias + n0 : NULL, y + n0, m_len, ldy, k_len, 0, rows, NULL, 0);
-        }
-    }
-    return failed ? -1 : 0;
-}
-
 #include "invariant_blocks.h"
 
 #undef BFN

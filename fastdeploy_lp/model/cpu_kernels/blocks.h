@@ -490,18 +490,6 @@ static inline __attribute__((always_inline)) void block_factors(int format, cons
 #endif
 }
 
-/* A thread's float32 panel of widened weight rows (`block_panels`), kept and grown like x_buffer. */
-static float *panel_buffer(int64_t floats) {
-    static __thread float *buffer;
-    static __thread int64_t capacity;
-    if (floats > capacity) {
-        float *grown = realloc(buffer, (size_t)floats * sizeof(float));
-        if (!grown) return NULL;
-        buffer = grown, capacity = floats;
-    }
-    return buffer;
-}
-
 /* x quantized once per call, in the calling thread's buffer: it grows to the largest x seen and is
  * kept (a linear per layer per step must not allocate). NULL if it cannot grow. */
 static int16_t *x_buffer(int64_t m_len, int64_t k_len, float **d, float **s) {

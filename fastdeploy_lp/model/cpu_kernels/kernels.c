@@ -211,7 +211,6 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 
 #include "blocks.h"
 #define BLOCK_AHEAD 4096 /* bytes: the narrow formats' GEMV prefetch distance */
-#define PANEL_BYTES (192 << 10) /* a thread's widened weight rows for many rows of x: in L2 with x's tile */
 #define UNIT_GEMM_ROWS 32 /* rows of x from which the batch-invariant block kernel packs a GEMM (invariant_blocks.h) */
 #define BFORMAT FMT_Q4_0
 #define BNAME q4_0

@@ -54,8 +54,8 @@ static void block_linear_of(int format, const xquant_t *xq, const uint8_t *w, co
     }
 }
 
-/* ... in batch-invariant mode, for any number of rows (invariant_blocks.h). */
-static void block_invariant_of(int format, const xquant_t *xq, const uint8_t *w, const float *bias, float *y,
+/* ... and for more (invariant_blocks.h's unit order; every row count in batch-invariant mode). */
+static void block_units_of(int format, const xquant_t *xq, const uint8_t *w, const float *bias, float *y,
                                int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     switch (format) {
         case FMT_Q4_0: unit_linear_q4_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
@@ -67,22 +67,6 @@ static void block_invariant_of(int format, const xquant_t *xq, const uint8_t *w,
         case FMT_Q5_K: unit_linear_q5_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
         case FMT_Q6_K: unit_linear_q6_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
         default: unit_linear_w4g128(xq, w, bias, y, m_len, n_len, k_len, ldy, threads);
-    }
-}
-
-/* ... and for many: widened panels of the weight against float x (block_panels). -1: no memory. */
-static int block_panels_of(int format, const float *x, const uint8_t *w, const float *bias, float *y, int64_t m_len,
-                           int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
-    switch (format) {
-        case FMT_Q4_0: return block_panels_q4_0(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q4_1: return block_panels_q4_1(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q5_0: return block_panels_q5_0(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q5_1: return block_panels_q5_1(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q8_0: return block_panels_q8_0(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q4_K: return block_panels_q4_k(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q5_K: return block_panels_q5_k(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        case FMT_Q6_K: return block_panels_q6_k(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
-        default: return block_panels_w4g128(x, w, bias, y, m_len, n_len, k_len, ldy, threads);
     }
 }
 
@@ -103,17 +87,16 @@ int fdlp_widen_blocks(int format, const uint8_t *w, int64_t n0, int64_t rows, in
     }
 }
 
-/* Rows of x from which a block-format linear widens panels instead of multiplying integers. Timed
- * on 1024 x 4864 weights, 2 threads, AVX2 EPYC (GMAC/s, integer / panels): Q4_K at 8 rows 28.8 /
- * 29.4, 32 rows 28.8 / 39.1; Q6_K 27.4 / 32.0 and 36.9 / 48.5; but Q4_0 43.5 / 29.7 and 44.7 /
- * 38.9, Q8_0 39.8 / 36.9 and 50.7 / 49.6: the K formats' integer unpack (sub-scales, two loads of
- * high bits) is paid once per tile of x rows, the 32-weight formats' is cheap. */
-int fdlp_block_panel_rows(int format) {
-    return format == FMT_Q4_K || format == FMT_Q5_K || format == FMT_Q6_K ? 8 : 64;
+/* Rows of x from which a block-format linear runs the unit order (invariant_blocks.h) instead of
+ * the integer kernel; every row count in batch-invariant mode. Timed on 1024 x 4864 and 4864 x 1024
+ * weights, 2 threads, AVX2 EPYC (GMAC/s, integer or widened panels / units): Q4_K at 8 rows 24.0 /
+ * 36.8, Q6_K 20.8 / 27.4, but Q4_0 42.6 / 42.0 and Q8_0 42.1 / 42.3; from 16 rows the units lead
+ * in every format (Q4_0 16 rows 51.9 / 61.3; 64 rows against the panels this order replaced 34.2
+ * / 49.9, Q4_K 31.6 / 49.7, Q6_K 31.1 / 37.2). The K formats' integer unpack (sub-scales, two
+ * loads of high bits) is paid once per tile of x rows, the 32-weight formats' is cheap. */
+int fdlp_block_unit_rows(int format) {
+    return batch_invariant ? 1 : format == FMT_Q4_K || format == FMT_Q5_K || format == FMT_Q6_K ? 8 : 16;
 }
-
-/* ... for this call: never in batch-invariant mode, where invariant_blocks.h takes every row count on int16 x. */
-static int64_t block_panel_rows(int format) { return batch_invariant ? INT64_MAX : fdlp_block_panel_rows(format); }
 
 /* y[M, N] = x[M, K] @ lin^T (times its row scales, plus its bias), part by part. x is quantized to
  * int16 once if any part is a block format. Returns -1 if the buffer for that could not grow. */
@@ -121,7 +104,7 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
                 int threads) {
     xquant_t xq = {NULL, NULL, NULL, k_len, k_len / 32};
     for (int64_t p = 0; p < lin->parts && !xq.q; p++) {
-        if (lin->format[p] < 100 || m_len >= block_panel_rows((int)lin->format[p])) continue;
+        if (lin->format[p] < 100) continue;
         float *d, *s;
         int16_t *q = x_buffer(m_len, k_len, &d, &s);
         if (!q) return -1;
@@ -140,11 +123,10 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
             case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             default:
-                if (batch_invariant) block_invariant_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
-                                                        threads);
-                else if (m_len < block_panel_rows((int)format)) block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len,
-                                                               threads);
-                else if (block_panels_of((int)format, x, w, bias, y + row, m_len, rows, k_len, n_len, threads)) return -1;
+                if (m_len >= fdlp_block_unit_rows((int)format))
+                    block_units_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
+                else
+                    block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
         }
         w += format < 100 ? rows * k_len * (format == 0 ? 4 : format == 3 ? 1 : 2)
                           : rows * (k_len / block_elems((int)format)) * block_bytes((int)format);
