@@ -19,9 +19,9 @@
 
 #if defined(__AVX2__) && !defined(INVARIANT_BLOCKS_SHARED) /* once, not per format */
 #define INVARIANT_BLOCKS_SHARED
-/* 8 weight rows' factors for a group of theirs, lane r for row r: ws[u] the
- * scale of the group's unit u, wm its minimum. Built in registers: 8 scalar stores read back as one
- * vector miss the store forwarding, and that stall cost a decode step ~15%. */
+/* 8 weight rows' factors for a group of theirs, lane r for row r: ws[u] the scale of the group's
+ * unit u, wm its minimum. Built in registers: 8 scalar stores read back as one vector would miss
+ * the store forwarding. */
 typedef struct {
     __m256 ws[2], wm;
 } factors_t;
@@ -68,8 +68,7 @@ static inline __m256i quad_totals(const __m256i quad[2]) {
 #define ONE_SCALE (UNIT_GROUPS == 1 || BFORMAT == FMT_W4G128) /* a block's float16 scale (and minimum) first */
 
 /* The 8 weight rows' factors for every group j of their block b: f[j]. The K formats' come from
- * the heads by 8 x 8 transposes, once a block (built lane by lane for each group they were a
- * Q6_K decode step's largest cost but for the unpacking). */
+ * the heads by 8 x 8 transposes, once a block, not lane by lane for each group. */
 static inline __attribute__((always_inline)) void BFN(block_factors)(const uint8_t *const at[8], const head_t h[8],
                                                                      factors_t f[UNIT_GROUPS]) {
     if (ONE_SCALE) {
