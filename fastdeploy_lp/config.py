@@ -202,7 +202,9 @@ class EngineArgs:
                                       "else cpu.", group=MODEL)
     dtype: str = option("auto", "Weight dtype: auto (the checkpoint's), float32, bfloat16 or float16. GPUs compute "
                                 "in it; CPUs keep the weights in it (2 bytes each for 16-bit) and compute in "
-                                "float32.", group=MODEL)
+                                "float32, except that with bfloat16 weights on a CPU with AVX-512 BF16 the linear "
+                                "layers round their input to bfloat16 (float32 sums; FDLP_CPU_BF16_DOT=0: "
+                                "float32).", group=MODEL)
     quantization: str | None = option(
         None, "wint8: int8 weights per output channel, quantized at load. CPU: linear layers, embedding and LM "
               "head. GPU (dtype bfloat16 or float16): linear layers through Paddle's weight_only_linear, embedding "

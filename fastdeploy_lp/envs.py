@@ -52,6 +52,9 @@ ENV_VARS = {v.name: v for v in (
     EnvVar("FDLP_HUGE_PAGES", "1", "`0`: leave the weights on the 4 KiB pages they get by default; else large "
            "CPU weights are placed on 2 MiB transparent huge pages where the kernel allows (10-20% faster "
            "batch-1 decode; see `model/huge_pages.py`)."),
+    EnvVar("FDLP_CPU_BF16_DOT", "1", "`0`: bfloat16 weights multiply float32 activations on every CPU; else, "
+           "where the CPU has AVX-512 BF16, the linear kernels round activations to bfloat16 and multiply with "
+           "`vdpbf16ps` (twice the products per instruction; float32 sums)."),
     EnvVar("FDLP_CPU_ISA", "", "`avx2` or `portable`: act as on a CPU with fewer instruction sets than this "
            "one (tests, benchmarks); empty: what the CPU has."),
 )}

@@ -24,9 +24,11 @@ def test_features_come_from_the_process_and_map_to_one_isa():
     cpu = cpu_features.detect()
     assert cpu.flags == {k for k, v in table.items() if v}
     assert cpu.isa in ("avx512", "avx2", "portable")
-    assert "-march=native" not in cpu.compile_flags
+    assert "-march=native" not in cpu.compile_flags()
     if cpu.isa == "avx2":
-        assert not any(f.startswith("-mavx512") for f in cpu.compile_flags)
+        assert not any(f.startswith("-mavx512") for f in cpu.compile_flags())
+    assert ("-mavx512bf16" in cpu.compile_flags()) == (cpu.isa == "avx512" and "AVX512BF16" in cpu.flags)
+    assert "-mavx512bf16" not in cpu.compile_flags("avx2")
 
 
 @pytest.mark.parametrize("flags,isa", [
@@ -37,6 +39,8 @@ def test_features_come_from_the_process_and_map_to_one_isa():
 ])
 def test_isa_of_a_feature_set(flags, isa):
     assert cpu_features.CpuFeatures("x86_64", frozenset(flags)).isa == isa
+    with_bf16 = cpu_features.CpuFeatures("x86_64", frozenset(flags | {"AVX512BF16"}))
+    assert ("-mavx512bf16" in with_bf16.compile_flags()) == (isa == "avx512")
     assert cpu_features.CpuFeatures("aarch64", frozenset(flags | {"NEON"})).isa == "portable"
 
 
@@ -96,7 +100,7 @@ def test_calibration_measures_every_op_and_is_cached(tmp_path, monkeypatch, capl
         plan = cpu_dispatch.prepare(model, 16)
         assert cpu_dispatch.prepare(model, 16) == plan  # read back from the file
     buckets = [name for _, name in cpu_kernels.LINEAR_BUCKETS]
-    assert set(plan) == {f"linear:{b}" for b in buckets} | {"argmax:all"} | {
+    assert set(plan) == {f"linear:{b}" for b in [*buckets, "prefill"]} | {"argmax:all"} | {
         f"{op}:{b}" for op in ("transpose", "swiglu", "rotary", "attention") for b in ("decode", "prefill")}
     assert all(isinstance(v, bool) for v in plan.values())
     assert (tmp_path / "cpu_kernels-x.plans.json").exists()
@@ -149,7 +153,7 @@ def isa_switch(monkeypatch):
 
 def test_a_narrower_isa_can_be_asked_for(isa_switch):
     narrow = isa_switch("portable")
-    assert narrow.isa == "portable" and not narrow.has_avx512f and narrow.compile_flags == []
+    assert narrow.isa == "portable" and not narrow.has_avx512f and narrow.compile_flags() == []
 
 
 def test_a_wider_or_unknown_isa_is_refused(isa_switch):

@@ -32,7 +32,7 @@ def kernels(request):
     return built
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 17, 40])  # from 16 rows x is packed in panels (xpanel.h, AVX-512)
 @pytest.mark.parametrize("k", [64, 100, 903])  # 100, 903: tails of 2 vectors + 4 and of 7 floats
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_paddle(kernels, rows, k, with_bias):
@@ -58,8 +58,45 @@ def test_linear_with_half_and_int8_weights_matches_their_float32_values(kernels,
     else:
         w = paddle.to_tensor(rng.standard_normal((131, k), dtype=np.float32)).astype(dtype)
     want = paddle.matmul(x, w.astype("float32"), transpose_y=True) * (1 if scale is None else scale) + bias
-    got = kernels.linear(x, w, bias, scale)
+    before = kernels.bf16_dot
+    kernels.set_bf16_dot(False)
+    try:
+        got = kernels.linear(x, w, bias, scale)
+    finally:
+        kernels.set_bf16_dot(before)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def _round_to_bfloat16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as `vcvtne2ps2bf16` rounds."""
+    bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 17, 40])  # from 16 rows in panels: 17 (one and a bit), 40
+@pytest.mark.parametrize("k", [64, 117, 903])  # 117, 903: a weight line cut short, an odd last weight
+def test_bfloat16_weights_on_avx512_bf16_multiply_activations_rounded_to_bfloat16(kernels, rows, k):
+    """Where the build has `vdpbf16ps` (dot_bf16.h), bfloat16 weights give the float32-summed product of
+    x rounded to bfloat16, every row count alike; switched off, the product of x as it is."""
+    rng = np.random.default_rng(rows * 1000 + k)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    w = paddle.to_tensor(rng.standard_normal((131, k), dtype=np.float32)).astype("bfloat16")
+    bias = rng.standard_normal(131, dtype=np.float32)
+    w64 = w.astype("float32").numpy().astype(np.float64).T
+    before = kernels.bf16_dot
+    try:
+        kernels.set_bf16_dot(True)
+        if not kernels.bf16_dot:
+            pytest.skip("this build has no AVX-512 BF16")
+        rounded = kernels.linear(paddle.to_tensor(x), w, paddle.to_tensor(bias)).numpy()
+        kernels.set_bf16_dot(False)
+        unrounded = kernels.linear(paddle.to_tensor(x), w, paddle.to_tensor(bias)).numpy()
+    finally:
+        kernels.set_bf16_dot(before)
+    np.testing.assert_allclose(rounded, _round_to_bfloat16(x) @ w64 + bias, rtol=1e-5, atol=1e-4)
+    assert np.abs(rounded - (x @ w64 + bias)).max() > 1e-3  # the rounding is there: not the float32 product
+    np.testing.assert_allclose(unrounded, x @ w64 + bias, rtol=1e-5, atol=1e-4)
 
 
 

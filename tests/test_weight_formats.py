@@ -63,6 +63,30 @@ def test_bfloat16_greedy_decode_equals_float32(bf16_qwen2):
                                    atol=1e-4)
 
 
+def test_bfloat16_weights_multiply_bfloat16_activations_where_the_cpu_has_avx512_bf16(bf16_qwen2, monkeypatch):
+    """On AVX-512 BF16 CPUs the kernels round a bfloat16 model's activations to bfloat16 before each
+    linear layer (`vdpbf16ps`, dot_bf16.h; the test session switches it off for the float32
+    references): the logits move by that rounding, and by no more than it."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    monkeypatch.setattr(cpu_kernels, "_mode", "1")
+    before = kernels.bf16_dot
+    kernels.set_bf16_dot(True)
+    try:
+        if not kernels.bf16_dot:
+            pytest.skip("this CPU has no AVX-512 BF16")
+        held, ids = _model(bf16_qwen2), list(range(3, 23))  # 20 rows: the kernels' linear, in panels
+        with paddle.no_grad():
+            rounded = held.full_logits(ids).numpy()
+            kernels.set_bf16_dot(False)
+            exact = held.full_logits(ids).numpy()
+    finally:
+        kernels.set_bf16_dot(before)
+    moved = np.abs(rounded - exact).max()
+    assert 1e-5 < moved < 2e-2, moved
+
+
 def test_a_float32_checkpoint_asked_for_as_bfloat16_is_converted_at_load():
     model = _model(os.path.join(FIXTURES, "llama"), dtype="bfloat16")
     assert model.layers[0].mlp.gate_up_weight.dtype == paddle.bfloat16

@@ -7,9 +7,9 @@ shapes the engine will run and keeps the faster, per op and row bucket (`cpu_ker
 
 | op          | buckets                       | measured on                                          |
 |-------------|-------------------------------|------------------------------------------------------|
-| `linear`    | 1, 2-8, 9-16, 17-32 rows      | the model's own q/k/v, o, gate/up and down weights,   |
-|             | (timed at 1, 8, 16, 32)       | in their format (float32, 16-bit or int8), read in    |
-|             |                               | 32 MB sets in turn, cold as in a decode step         |
+| `linear`    | 1, 2-8, 9-16, 17-32 rows,     | the model's own q/k/v, o, gate/up and down weights,   |
+|             | prefill (timed at 1, 8, 16,   | in their format (float32, 16-bit or int8), read in    |
+|             | 32, 128)                      | 32 MB sets in turn, cold as in a decode step         |
 | `transpose` | decode (8 rows), prefill (64) | a `[2 * intermediate, rows]` product                 |
 | `swiglu`    | decode (32 rows), prefill (256)| `[rows, 2 * intermediate]`                          |
 | `rotary`    | decode (8 tokens), prefill (256)| layer 0's heads, a paged batch                     |
@@ -65,7 +65,8 @@ FUSED_LAYER_EDGE = 0.10  # the linear kernel wins unless Paddle's op is this muc
 # SmolLM2 at 24 tok/s instead of 92 (30 layers, AVX2 EPYC).
 FUSED_OP_EDGE = 1.0
 OP_EDGE = {"decode": FUSED_OP_EDGE, "prefill": 0.0}  # per bucket of rotary, swiglu and attention
-PLAN_VERSION = 2  # in the cache key: a change of these rules measures again
+PLAN_VERSION = 3  # in the cache key: a change of these rules measures again
+PREFILL_ROWS = 128  # rows of x the linear layers' prefill bucket is timed at (no fused layers past 32: no edge)
 # A plan timed while other processes used more than this share of the CPUs is not cached: a
 # package install on one of two cores made Paddle's GEMV look faster than the kernel's, and the
 # cached choice then ran float32 batch 1 at 3.6 tok/s instead of 8 for good (AVX2 EPYC).
@@ -141,7 +142,7 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             plan["blocks:all"] = _kernel_wins(lambda: kernels.linear(x, mlp.gate_up_weight, layout=layout),
                                               lambda: widened_linear(kernels, x, mlp.gate_up_weight, None, layout))
         weights = [] if blocks else _weight_sets(model)
-        for rows, name in cpu_kernels.LINEAR_BUCKETS:
+        for rows, name in (*cpu_kernels.LINEAR_BUCKETS, (PREFILL_ROWS, "prefill")):
             if blocks:
                 plan[f"linear:{name}"] = True
                 continue
@@ -149,7 +150,8 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
             sets = itertools.cycle(weights)  # shared: consecutive timings read different sets
             plan[f"linear:{name}"] = _kernel_wins(
                 lambda: [kernels.linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)],
-                lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)], edge=FUSED_LAYER_EDGE)
+                lambda: [paddle_linear(xs[w.shape[1]], w, None, s) for w, s in next(sets)],
+                edge=FUSED_LAYER_EDGE if rows <= cpu_kernels.KERNEL_ROWS else 0.0)
         for bucket, rows in (("decode", 32), ("prefill", 256)):
             gate_up = paddle.randn([rows, width])
             plan[f"swiglu:{bucket}"] = _kernel_wins(lambda: kernels.swiglu(gate_up), lambda: F.swiglu(gate_up),

@@ -36,6 +36,9 @@ COMPILE_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "portable": [],
 }
+# Extensions an ISA's build also targets where this CPU has them: AVX-512 BF16's `vdpbf16ps`
+# multiplies bfloat16 weights by bfloat16 activations (cpu_kernels/dot_bf16.h).
+EXTENSION_FLAGS = {"avx512": {"AVX512BF16": "-mavx512bf16"}}
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,12 @@ class CpuFeatures:
             return "avx2"
         return "portable"
 
-    @property
-    def compile_flags(self) -> list[str]:
-        """C compiler flags for exactly the detected vector ISA (never `-march=native`)."""
-        return list(COMPILE_FLAGS[self.isa])
+    def compile_flags(self, isa: str | None = None) -> list[str]:
+        """C compiler flags for exactly `isa` (default: the detected one) and the extensions of it
+        this CPU has (never `-march=native`)."""
+        isa = isa or self.isa
+        extras = [flag for name, flag in EXTENSION_FLAGS.get(isa, {}).items() if name in self.flags]
+        return [*COMPILE_FLAGS[isa], *extras]
 
     @property
     def has_avx512f(self) -> bool:

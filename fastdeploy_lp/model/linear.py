@@ -92,9 +92,10 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     On CPU, timed over the bench model's weights read cold as in a decode step (2 cores, AVX-512):
     up to 32 rows may go to `cpu_kernels.linear`, which reads the weight once where MKL's GEMM reads
     it at half speed (8 rows: 77 vs 124 ms); `cpu_dispatch` keeps it per row bucket where it was
-    measured faster. Up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than as
-    `x @ weight^T`. Many rows (prefill) and other devices get the plain product; an int8 weight on
-    GPU is in `gpu_weight_only`'s layout, which only its op reads.
+    measured faster, prefill included (bfloat16 weights on AVX-512 BF16: 169 against MKL's 88
+    GMAC/s at 256 rows, Zen 4). Up to 64 rows MKL runs 1.4-1.6x faster as `(weight @ x^T)^T` than
+    as `x @ weight^T`. Other devices get the plain product; an int8 weight on GPU is in
+    `gpu_weight_only`'s layout, which only its op reads.
     """
     if layout is not None:
         kernels = cpu_kernels.required(layout.describe())
@@ -105,7 +106,9 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None =
     if scale is not None and x.place.is_gpu_place():
         return gpu_weight_only.linear(x, weight, bias, scale)
     rows = x.shape[0]  # batch-invariant: the kernel at every row count, never a BLAS whose blocking depends on rows
-    if ((rows <= cpu_kernels.KERNEL_ROWS or _batch_invariant)
+    # Past 32 rows the kernels run only where `cpu_dispatch` timed them faster (bfloat16 with AVX-512
+    # BF16's dot product, float32 in panels: xpanel.h), never merely because they are forced on.
+    if ((rows <= cpu_kernels.KERNEL_ROWS or _batch_invariant or cpu_kernels.mode() == "auto")
             and (kernels := kernels_for(x, "linear", rows)) is not None):
         return kernels.linear(x, weight, bias, scale)
     return paddle_linear(x, weight, bias, scale)

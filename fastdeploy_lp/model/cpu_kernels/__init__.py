@@ -121,12 +121,10 @@ class CpuKernels:
         self._scratch: dict[tuple[int, ...], paddle.Tensor] = {}  # widen's buffers
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.lanes = library.fdlp_lanes()  # floats per vector in this build
-        self._read_sum = library.fdlp_read_sum
-        self._read_sum.argtypes = [ptr, i64, c_int]
+        self._read_sum, self._read_sum.argtypes = library.fdlp_read_sum, [ptr, i64, c_int]
         self._read_sum.restype = ctypes.c_double
         # One linear entry point for every weight format (layer.h); activations, scales and bias are float32.
-        self._linear = library.fdlp_linear
-        self._linear.argtypes = [ptr] * 3 + [i64] * 3 + [c_int]
+        self._linear, self._linear.argtypes = library.fdlp_linear, [ptr] * 3 + [i64] * 3 + [c_int]
         self._dequantize = library.fdlp_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = None
@@ -166,6 +164,8 @@ class CpuKernels:
         self._argmax.argtypes = [ptr] * 3 + [i64] * 2 + [c_int]
         self._rms_norm, self.set_batch_invariant = library.fdlp_rms_norm, library.fdlp_set_batch_invariant
         self._rms_norm.argtypes, self.set_batch_invariant.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int], [c_int]
+        self._set_bf16_dot, self._set_bf16_dot.argtypes = library.fdlp_set_bf16_dot, [c_int]  # returns: built with it
+        self.set_bf16_dot(envs.get("FDLP_CPU_BF16_DOT") != "0")
         self._layers = library.fdlp_decoder_layers
         self._layers.argtypes = [ptr] * 3 + [i64] * 4 + [ptr, ptr, ctypes.c_float] + [ptr] * 5 + [c_int]
         self._lora_update = library.fdlp_lora_update
@@ -175,6 +175,11 @@ class CpuKernels:
             fn.restype = None
         for fn in (self._linear, self._quantize_blocks, self._widen_blocks, self._layers):
             fn.restype = c_int  # 0, or -1: no memory (or an unknown format)
+
+    def set_bf16_dot(self, on: bool) -> None:
+        """Whether bfloat16 weights multiply bfloat16-rounded activations (`vdpbf16ps`, dot_bf16.h)
+        where this build targets AVX-512 BF16; `bf16_dot` says whether they now do."""
+        self.bf16_dot = bool(self._set_bf16_dot(int(on))) and on
 
     def decoder_layers(self, x: paddle.Tensor, stack: LayerStack, attention: PagedAttention,
                        lora: LoRAInputs | None = None) -> paddle.Tensor:

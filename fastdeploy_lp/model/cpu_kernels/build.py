@@ -15,7 +15,8 @@ import paddle
 from fastdeploy_lp.model import cpu_features
 
 SOURCE = Path(__file__).with_name("kernels.c")
-HEADERS = [Path(__file__).with_name(name) for name in ("linear.h", "invariant.h", "blocks.h", "block_linear.h", "invariant_blocks.h", "layer.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("linear.h", "invariant.h", "blocks.h", "block_linear.h", "invariant_blocks.h", "layer.h",
+                                                                  "dot_bf16.h", "xpanel.h")]
 
 
 def _openmp_flags() -> tuple[list[str], list[str]]:
@@ -33,7 +34,7 @@ def build(isa: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     compile_flags, link_flags = _openmp_flags()
-    isa_flags = cpu_features.COMPILE_FLAGS[isa or cpu_features.detect().isa]
+    isa_flags = cpu_features.detect().compile_flags(isa)
     flags = ["-O3", "-fPIC", "-std=gnu11", *isa_flags, *(f"-D{d}" for d in defines)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     sources = [SOURCE.read_text(), *(h.read_text() for h in HEADERS)]

@@ -49,6 +49,18 @@ int fdlp_lanes(void) { return LANES; }
 static int batch_invariant;
 void fdlp_set_batch_invariant(int on) { batch_invariant = on != 0; }
 
+/* bfloat16 weights times bfloat16 activations (dot_bf16.h) where the build targets AVX512_BF16:
+ * on unless switched off here. Returns whether this build has it. */
+static int bf16_dot = 1;
+int fdlp_set_bf16_dot(int on) {
+    bf16_dot = on != 0;
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline vec load(const float *p) { return *(const vec *)p; }
 
 static inline vec load_tail(const float *p, int64_t n) {
@@ -184,12 +196,28 @@ static float *permute_x(const float *x, int64_t k_len, int split) {
 }
 
 #include "invariant.h"
+#if LANES == 16
+#include "xpanel.h"
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 9 /* rows of x from which the linear kernels pack x into panels (xpanel.h): at 8 rows a panel is half empty, and `rows_times` read bfloat16 at 58 GMAC/s against 40 (Zen 4, 2 threads) */
+#endif
+#endif
+#ifndef X_PANELS /* 0: no panels (xpanel.h), to time the difference */
+#define X_PANELS 1
+#endif
 
 #define WEIGHT float
 #define FORMAT f32
 #define GEMV_AHEAD 0
+#if LANES == 16
+#define PANEL_FLOAT /* many rows of x in panels (xpanel.h) */
+#endif
 #define QUANTIZE
 #include "linear.h"
+#if defined(__AVX512BF16__)
+#include "dot_bf16.h"
+#define DOT_LINEAR dot_linear
+#endif
 #define WEIGHT uint16_t
 #define FORMAT bf16
 #define NARROW

@@ -274,6 +274,14 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
 static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
                          int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
+#ifdef DOT_LINEAR /* the format's own dot product (bfloat16 on AVX512_BF16, dot_bf16.h) */
+    if (!batch_invariant && bf16_dot && !DOT_LINEAR(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads)) return;
+#endif
+#ifdef PANEL_FLOAT /* float32 weights, many rows: x in panels (xpanel.h) */
+    if (!batch_invariant && X_PANELS && m_len >= PANEL_MIN_ROWS &&
+        !panel_linear((const uint32_t *)x, k_len, w, scale, bias, y, m_len, n_len, k_len, ldy, threads, 0))
+        return;
+#endif
     if (batch_invariant && m_len >= INVARIANT_MIN_ROWS && k_len > 0 &&
         !NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads))
         return;
@@ -369,3 +377,5 @@ void NAME(fdlp_quantize)(const WEIGHT *w, int8_t *q, float *scale, int64_t n_len
 #undef NARROW
 #undef SPLIT
 #undef GEMV_AHEAD
+#undef DOT_LINEAR
+#undef PANEL_FLOAT
