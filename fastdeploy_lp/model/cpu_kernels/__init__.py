@@ -228,7 +228,8 @@ class CpuKernels:
         out = paddle.empty([rows, n], dtype=x.dtype)
         if self._linear(x.data_ptr(), ctypes.byref(_Linear.of(weight, scale, bias, layout)), out.data_ptr(), rows, n, k,
                         _threads):
-            raise MemoryError(f"linear: no memory for the buffers of a {rows} x {k} product")
+            raise MemoryError(f"linear: no memory for the buffers of a {rows} x {k} product (or a weight format "
+                              f"these kernels do not know)")
         return out
 
     def dequantize(self, data: paddle.Tensor, layout: WeightLayout) -> paddle.Tensor:

@@ -38,53 +38,38 @@ typedef struct {
     int64_t parts, format[FDLP_PARTS], rows[FDLP_PARTS];
 } fdlp_linear_t;
 
-/* The block-format linear for few rows of x: the integer kernel on x quantized to int16. */
-static void block_linear_of(int format, const xquant_t *xq, const uint8_t *w, const float *bias, float *y,
-                            int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
-    switch (format) {
-        case FMT_Q4_0: block_linear_q4_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q4_1: block_linear_q4_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_0: block_linear_q5_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_1: block_linear_q5_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q8_0: block_linear_q8_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q4_K: block_linear_q4_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_K: block_linear_q5_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q6_K: block_linear_q6_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        default: block_linear_w4g128(xq, w, bias, y, m_len, n_len, k_len, ldy, threads);
-    }
-}
+/* Each block format's kernels: the integer kernel for few rows of x (on x quantized to int16), the
+ * unit order for more (invariant_blocks.h; every row count in batch-invariant mode), and its rows
+ * widened to float32 (a tile for a BLAS GEMM). */
+typedef void (*block_product_t)(const xquant_t *x, const uint8_t *w, const float *bias, float *y, int64_t m_len,
+                                int64_t n_len, int64_t k_len, int64_t ldy, int threads);
+typedef struct {
+    int format;
+    block_product_t integer, units;
+    void (*widen)(const uint8_t *w, int64_t n0, int64_t rows, int64_t k_len, float *out, int threads);
+} block_kernels_t;
+#define BLOCK_KERNELS(f, name) {f, block_linear_##name, unit_linear_##name, widen_rows_##name}
+static const block_kernels_t BLOCK_FORMATS[] = {
+    BLOCK_KERNELS(FMT_Q4_0, q4_0), BLOCK_KERNELS(FMT_Q4_1, q4_1), BLOCK_KERNELS(FMT_Q5_0, q5_0),
+    BLOCK_KERNELS(FMT_Q5_1, q5_1), BLOCK_KERNELS(FMT_Q8_0, q8_0), BLOCK_KERNELS(FMT_Q4_K, q4_k),
+    BLOCK_KERNELS(FMT_Q5_K, q5_k), BLOCK_KERNELS(FMT_Q6_K, q6_k), BLOCK_KERNELS(FMT_W4G128, w4g128),
+};
+#undef BLOCK_KERNELS
 
-/* ... and for more (invariant_blocks.h's unit order; every row count in batch-invariant mode). */
-static void block_units_of(int format, const xquant_t *xq, const uint8_t *w, const float *bias, float *y,
-                               int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
-    switch (format) {
-        case FMT_Q4_0: unit_linear_q4_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q4_1: unit_linear_q4_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_0: unit_linear_q5_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_1: unit_linear_q5_1(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q8_0: unit_linear_q8_0(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q4_K: unit_linear_q4_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q5_K: unit_linear_q5_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        case FMT_Q6_K: unit_linear_q6_k(xq, w, bias, y, m_len, n_len, k_len, ldy, threads); break;
-        default: unit_linear_w4g128(xq, w, bias, y, m_len, n_len, k_len, ldy, threads);
-    }
+/* The kernels of block format `format`; NULL for a format these kernels do not know. */
+static const block_kernels_t *block_kernels(int64_t format) {
+    for (size_t i = 0; i < sizeof BLOCK_FORMATS / sizeof BLOCK_FORMATS[0]; i++)
+        if (BLOCK_FORMATS[i].format == format) return &BLOCK_FORMATS[i];
+    return NULL;
 }
 
 /* out = rows [n0, n0 + rows) of a weight of block format `format` widened to float32 (a tile for
  * a BLAS GEMM); -1 for a format these kernels do not know. */
 int fdlp_widen_blocks(int format, const uint8_t *w, int64_t n0, int64_t rows, int64_t k_len, float *out, int threads) {
-    switch (format) {
-        case FMT_Q4_0: widen_rows_q4_0(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q4_1: widen_rows_q4_1(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q5_0: widen_rows_q5_0(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q5_1: widen_rows_q5_1(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q8_0: widen_rows_q8_0(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q4_K: widen_rows_q4_k(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q5_K: widen_rows_q5_k(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_Q6_K: widen_rows_q6_k(w, n0, rows, k_len, out, threads); return 0;
-        case FMT_W4G128: widen_rows_w4g128(w, n0, rows, k_len, out, threads); return 0;
-        default: return -1;
-    }
+    const block_kernels_t *kernels = block_kernels(format);
+    if (!kernels) return -1;
+    kernels->widen(w, n0, rows, k_len, out, threads);
+    return 0;
 }
 
 /* Rows of x from which a block-format linear runs the unit order (invariant_blocks.h) instead of
@@ -99,7 +84,8 @@ int fdlp_block_unit_rows(int format) {
 }
 
 /* y[M, N] = x[M, K] @ lin^T (times its row scales, plus its bias), part by part. x is quantized to
- * int16 once if any part is a block format. Returns -1 if the buffer for that could not grow. */
+ * int16 once if any part is a block format. Returns -1 if the buffer for that could not grow or a
+ * part is in a format these kernels do not know. */
 int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_len, int64_t n_len, int64_t k_len,
                 int threads) {
     xquant_t xq = {NULL, NULL, NULL, k_len, k_len / 32};
@@ -122,11 +108,12 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
             case 1: linear_bf16(x, (const uint16_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
-            default:
-                if (m_len >= fdlp_block_unit_rows((int)format))
-                    block_units_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
-                else
-                    block_linear_of((int)format, &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
+            default: {
+                const block_kernels_t *kernels = block_kernels(format);
+                if (!kernels) return -1;
+                (m_len >= fdlp_block_unit_rows((int)format) ? kernels->units : kernels->integer)(
+                    &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
+            }
         }
         w += format < 100 ? rows * k_len * (format == 0 ? 4 : format == 3 ? 1 : 2)
                           : rows * (k_len / block_elems((int)format)) * block_bytes((int)format);
