@@ -11,17 +11,9 @@
 
 enum { DOT_STEP = 32 }; /* bfloat16 values a 512-bit vector holds: one weight line */
 
-/* Rows [0, m_len) of x as bfloat16, each padded with zeros to `k_pad` (a multiple of DOT_STEP), in
- * the calling thread's buffer, which grows to the largest x seen and is kept (as `permute_x`'s). */
-static uint16_t *bf16_rows(const float *x, int64_t m_len, int64_t k_len, int64_t k_pad) {
-    static __thread uint16_t *buffer;
-    static __thread int64_t capacity;
-    if (m_len * k_pad > capacity) {
-        uint16_t *grown = realloc(buffer, (size_t)(m_len * k_pad) * sizeof(uint16_t));
-        if (!grown) return NULL;
-        buffer = grown;
-        capacity = m_len * k_pad;
-    }
+/* Rows [0, m_len) of x as bfloat16 into `out`, each padded with zeros to `k_pad` (a multiple of
+ * DOT_STEP). */
+static void bf16_rows(const float *x, int64_t m_len, int64_t k_len, int64_t k_pad, uint16_t *out) {
     for (int64_t m = 0; m < m_len; m++)
         for (int64_t k = 0; k < k_pad; k += DOT_STEP) {
             int64_t left = k_len - k;
@@ -29,9 +21,8 @@ static uint16_t *bf16_rows(const float *x, int64_t m_len, int64_t k_len, int64_t
             __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
             const float *row = x + m * k_len + k;
             __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
-            _mm512_storeu_si512(buffer + m * k_pad + k, (__m512i)both);
+            _mm512_storeu_si512(out + m * k_pad + k, (__m512i)both);
         }
-    return buffer;
 }
 
 /* y[m, n] = xb[m] . w[n] (times scale[n]) for `rows` (<= X_ROWS; a constant once inlined) rows of
@@ -117,11 +108,15 @@ static int dot_linear(const float *x, const uint16_t *w, const float *scale, con
                       int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
     int64_t k_pad = (k_len + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
-    const uint16_t *xb = bf16_rows(x, m_len, k_len, k_pad);
+    void *fresh;
+    uint16_t *xb = call_scratch(0, (size_t)(m_len * k_pad) * sizeof(uint16_t), &fresh);
     if (!xb) return -1;
+    bf16_rows(x, m_len, k_len, k_pad, xb);
     if (X_PANELS && m_len >= PANEL_MIN_ROWS &&
-        !panel_linear((const uint32_t *)xb, k_pad / 2, w, scale, bias, y, m_len, n_len, k_len, ldy, threads, 1))
+        !panel_linear((const uint32_t *)xb, k_pad / 2, w, scale, bias, y, m_len, n_len, k_len, ldy, threads, 1)) {
+        free(fresh);
         return 0;
+    }
 #pragma omp parallel num_threads(threads)
     {
         int64_t parts = omp_get_num_threads(), share = (n_len + parts - 1) / parts;
@@ -135,5 +130,6 @@ static int dot_linear(const float *x, const uint16_t *w, const float *scale, con
                             (int64_t)((n2 - n1) * k_len * sizeof(uint16_t) / 64));
         }
     }
+    free(fresh);
     return 0;
 }

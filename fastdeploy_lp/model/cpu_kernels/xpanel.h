@@ -14,6 +14,24 @@
  * bytes into L1, 2048 into L2 in between). */
 enum { PANEL = 16, PANEL_NR = 12, PANEL_BLOCK = 96 /* weight rows kept in L2 across x's panels */, PANEL_AHEAD = 1024 };
 
+/* Scratch for one call, from the calling thread: its kept buffer `slot` (grown to the largest size
+ * seen) when `bytes` fit in SCRATCH_KEPT, so a decode step allocates nothing (a fresh 600 KB, a down
+ * projection's 32 rows, came from mmap with its page faults at every call); a larger one (prefill)
+ * is allocated for the call and `*fresh` set for the caller to free. NULL: no memory. */
+enum { SCRATCH_KEPT = 8 << 20 };
+static void *call_scratch(int slot, size_t bytes, void **fresh) {
+    static __thread void *kept[2];
+    static __thread size_t size[2];
+    *fresh = NULL;
+    if (bytes > SCRATCH_KEPT) return *fresh = malloc(bytes);
+    if (bytes > size[slot]) {
+        void *grown = realloc(kept[slot], bytes);
+        if (!grown) return NULL;
+        kept[slot] = grown, size[slot] = bytes;
+    }
+    return kept[slot];
+}
+
 /* x's rows (`words` 32-bit words each: floats, or pairs of bfloat16) in panels of PANEL rows:
  * out[(p * words + j) * PANEL + l] = rows[(p * PANEL + l) * row_words + j], zero for rows past
  * m_len. 16 x 16 blocks are transposed in registers. */
@@ -123,7 +141,8 @@ static inline __attribute__((always_inline)) void panel_rows(const uint32_t *xp,
  * if the panels' buffer cannot be had (the caller then runs its own kernel). */
 static int panel_linear(const uint32_t *rows, int64_t words, const void *w, const float *scale, const float *bias,
                         float *y, int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads, const int dot) {
-    uint32_t *xp = malloc((size_t)((m_len + PANEL - 1) / PANEL * PANEL * words) * sizeof(uint32_t));
+    void *fresh;
+    uint32_t *xp = call_scratch(1, (size_t)((m_len + PANEL - 1) / PANEL * PANEL * words) * sizeof(uint32_t), &fresh);
     if (!xp) return -1;
     pack_panels(rows, m_len, words, words, xp);
 #pragma omp parallel num_threads(threads)
@@ -134,6 +153,6 @@ static int panel_linear(const uint32_t *rows, int64_t words, const void *w, cons
         if (start < end && dot) panel_rows(xp, words, w, k_len, start, end, m_len, scale, bias, y, ldy, 1);
         else if (start < end) panel_rows(xp, words, w, k_len, start, end, m_len, scale, bias, y, ldy, 0);
     }
-    free(xp);
+    free(fresh);
     return 0;
 }
