@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.11",
     packages=PACKAGES,
     package_dir={f"fastdeploy_lp.{folder}": folder for folder in TOP_LEVEL_FOLDERS},
-    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "invariant.h", "blocks.h", "block_linear.h", "invariant_blocks.h", "layer.h", "dot_bf16.h", "xpanel.h"]},
+    package_data={"fastdeploy_lp": ["default_model/*"], "fastdeploy_lp.model.cpu_kernels": ["kernels.c", "linear.h", "invariant.h", "blocks.h", "block_linear.h", "invariant_blocks.h", "layer.h", "dot_bf16.h", "xpanel.h", "attention.h"]},
     install_requires=[
         "paddlepaddle>=3.0",
         "numpy",

@@ -153,11 +153,11 @@ class CpuKernels:
             fn.argtypes = [ptr] * 4 + [i64] * 3
             fn.restype = i64
         self._attention = library.fdlp_paged_attention
-        self._attention.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, c_int]
+        self._attention.argtypes = [ptr] * 3 + [c_int] + [ptr] * 4 + [i64] * 8 + [ctypes.c_float, c_int]
         self._swiglu = library.fdlp_swiglu
         self._swiglu.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._rotary_write = library.fdlp_rotary_cache_write
-        self._rotary_write.argtypes = [ptr] * 7 + [i64] * 4 + [c_int]
+        self._rotary_write.argtypes = [ptr] * 7 + [c_int] + [i64] * 4 + [c_int]
         self._transpose = library.fdlp_transpose
         self._transpose.argtypes = [ptr] * 2 + [i64] * 2 + [c_int]
         self._argmax = library.fdlp_argmax
@@ -194,7 +194,7 @@ class CpuKernels:
                              + _threads * at.heads * at.max_len], dtype="float32")  # layer.h's sizes
         out, spare = paddle.empty([rows, hidden], dtype="float32"), paddle.empty([rows, hidden], dtype="float32")
         attention_struct = _Attention(*(_ptr(getattr(at, name)) for name, _ in _Attention._fields_[:6]), None, None,
-                                      at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
+                                      int(stack.kv_bf16), at.seqs, at.new_tokens, at.heads, at.kv_heads, at.dim, at.block_size,
                                       at.tables.shape[1], at.max_len, at.scale)
         if self._layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack.layers, rows, hidden, stack.inter,
                         stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
@@ -368,28 +368,36 @@ class CpuKernels:
                            v_cache: paddle.Tensor, heads: int, kv_heads: int) -> None:
         """Rotate the q and k heads of `qkv` `[T, (H + 2 KV) * D]` in place (tables `[positions, D]`,
         the sign in `signed_sin`, as `layers.RotaryEmbedding`) and copy k and v to `write_rows` of
-        the caches viewed as `[-1, D]` (token-major, as `AttentionBatch.write_rows`)."""
+        the caches viewed as `[-1, D]` (token-major, as `AttentionBatch.write_rows`), float32 or
+        bfloat16 (rounded to nearest even)."""
         assert qkv.is_contiguous()
         dim = cos.shape[-1]
         self._rotary_write(qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), positions.data_ptr(),
-                           write_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], heads,
-                           kv_heads, dim, _threads)
+                           write_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache, v_cache),
+                           qkv.shape[0], heads, kv_heads, dim, _threads)
 
     def paged_attention(self, q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, tables: paddle.Tensor,
                         lens: paddle.Tensor, new: int, max_len: int, kv_heads: int, block_size: int,
                         scale: float) -> paddle.Tensor:
         """Causal attention of each sequence's `new` last tokens over its cached keys (already
         written): q `[S * new, H, D]` rotated, sequence-major; scores times `scale`; caches holding
-        `[blocks, kv_heads, block_size, D]` (any view of that memory); tables `[S, width]` and lens
+        `[blocks, kv_heads, block_size, D]` (any view of that memory), float32 or bfloat16; tables `[S, width]` and lens
         `[S]` (tokens after this pass) int64, every len <= max_len. Returns `[S * new, H, D]`."""
         q = q if q.is_contiguous() else q.contiguous()
         tokens, heads, dim = q.shape
         out = paddle.empty_like(q)
         scratch = paddle.empty([_threads, heads // kv_heads, max_len], dtype="float32")
-        self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                        out.data_ptr(), scratch.data_ptr(), tokens // new, new, heads, kv_heads, dim, block_size,
+        self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache, v_cache),
+                        tables.data_ptr(), lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), tokens // new, new, heads, kv_heads, dim, block_size,
                         tables.shape[1], max_len, scale, _threads)
         return out
+
+
+def _kv_bf16(k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> int:
+    """1 if the caches hold bfloat16, 0 if float32 (what the attention kernels read and write)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (paddle.float32, paddle.bfloat16):
+        raise TypeError(f"KV caches: float32 or bfloat16 for both, got {k_cache.dtype} and {v_cache.dtype}")
+    return int(k_cache.dtype == paddle.bfloat16)
 
 
 def load() -> CpuKernels | None:

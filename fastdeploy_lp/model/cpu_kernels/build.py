@@ -16,7 +16,7 @@ from fastdeploy_lp.model import cpu_features
 
 SOURCE = Path(__file__).with_name("kernels.c")
 HEADERS = [Path(__file__).with_name(name) for name in ("linear.h", "invariant.h", "blocks.h", "block_linear.h", "invariant_blocks.h", "layer.h",
-                                                                  "dot_bf16.h", "xpanel.h")]
+                                                                  "dot_bf16.h", "xpanel.h", "attention.h")]
 
 
 def _openmp_flags() -> tuple[list[str], list[str]]:

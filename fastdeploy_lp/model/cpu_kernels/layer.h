@@ -242,8 +242,8 @@ void fdlp_lora_update(const fdlp_lora_t *lora, int64_t linear, const float *x, f
 typedef struct {
     const float *cos, *sin;
     const int64_t *positions, *write_rows, *tables, *lens;
-    float *k_cache, *v_cache;
-    int64_t seqs, new_tokens, heads, kv_heads, dim, block_size, table_width, max_len;
+    void *k_cache, *v_cache;
+    int64_t kv_bf16, seqs, new_tokens, heads, kv_heads, dim, block_size, table_width, max_len;
     float scale;
 } fdlp_attention_t;
 
@@ -266,9 +266,9 @@ static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidde
     if (fdlp_linear(normed, qkv, qkv_out, rows, qkv_width, hidden, threads)) return -1;
     if (lora) fdlp_lora_update(lora, 4 * layer, normed, qkv_out, rows, hidden, qkv_width, qkv_widths, 3, threads);
     fdlp_rotary_cache_write(qkv_out, at->cos, at->sin, at->positions, at->write_rows, at->k_cache, at->v_cache,
-                            rows, at->heads, at->kv_heads, at->dim, threads);
+                            (int)at->kv_bf16, rows, at->heads, at->kv_heads, at->dim, threads);
     for (int64_t m = 0; m < rows; m++) memcpy(q + m * q_size, qkv_out + m * qkv_width, (size_t)q_size * sizeof(float));
-    fdlp_paged_attention(q, at->k_cache, at->v_cache, at->tables, at->lens, attended, scratch, at->seqs,
+    fdlp_paged_attention(q, at->k_cache, at->v_cache, (int)at->kv_bf16, at->tables, at->lens, attended, scratch, at->seqs,
                          at->new_tokens, at->heads, at->kv_heads, at->dim, at->block_size, at->table_width,
                          at->max_len, at->scale, threads);
     if (fdlp_linear(attended, o, out, rows, hidden, q_size, threads)) return -1;
@@ -293,7 +293,7 @@ static int decoder_layer(const float *x, float *out, int64_t rows, int64_t hidde
  * if a block-format linear found no memory for its buffers (the output is then not computed), else 0. */
 int fdlp_decoder_layers(const float *x, float *out, float *spare, int64_t layers, int64_t rows, int64_t hidden,
                          int64_t inter, const float *const *norms, const float *final_norm, float eps,
-                         const fdlp_linear_t *linears, float *const *caches, const fdlp_attention_t *at,
+                         const fdlp_linear_t *linears, void *const *caches, const fdlp_attention_t *at,
                          const fdlp_lora_t *lora, float *work, int threads) {
     fdlp_attention_t layer_at = *at;
     const float *in = x;

@@ -52,7 +52,7 @@ class _Linear(ctypes.Structure):  # layer.h's fdlp_linear_t
 class _Attention(ctypes.Structure):  # layer.h's fdlp_attention_t
     _fields_ = ([(name, ctypes.c_void_p) for name in
                  ("cos", "sin", "positions", "write_rows", "tables", "lens", "k_cache", "v_cache")]
-                + [(name, ctypes.c_int64) for name in ("seqs", "new_tokens", "heads", "kv_heads", "dim", "block_size",
+                + [(name, ctypes.c_int64) for name in ("kv_bf16", "seqs", "new_tokens", "heads", "kv_heads", "dim", "block_size",
                                                          "table_width", "max_len")]
                 + [("scale", ctypes.c_float)])
 
@@ -70,6 +70,7 @@ class LayerStack:
     final_norm: int            # the model's norm after the last layer
     linears: ctypes.Array      # 4 per layer: q/k/v, o, gate/up, down
     caches: ctypes.Array       # 2 per layer: keys, values
+    kv_bf16: bool              # the caches hold bfloat16 (else float32)
     layers: int
     hidden: int
     inter: int
@@ -87,7 +88,7 @@ class LayerStack:
                    final_norm=final_norm.data_ptr(),
                    linears=(_Linear * (4 * len(linears)))(*(_Linear.of(*lin) for layer in linears for lin in layer)),
                    caches=(ctypes.c_void_p * (2 * len(caches)))(*(c.data_ptr() for pair in caches for c in pair)),
-                   layers=len(linears), hidden=norms[0][0].shape[0], inter=inter, eps=eps)
+                   kv_bf16=caches[0][0].dtype == paddle.bfloat16, layers=len(linears), hidden=norms[0][0].shape[0], inter=inter, eps=eps)
 
 
 def _ptr(tensor: paddle.Tensor | None) -> int | None:
