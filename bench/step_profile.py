@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from throughput import DEFAULT_MODEL, FORMATS  # noqa: E402
 
 from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
+from fastdeploy_lp.config import KV_CACHE_DTYPES  # noqa: E402
 from fastdeploy_lp.engine.engine import LLMEngine  # noqa: E402
 from fastdeploy_lp.engine.request import Request  # noqa: E402
 from fastdeploy_lp.model import cpu_dispatch, cpu_features, cpu_kernels, decoder  # noqa: E402
@@ -131,7 +132,7 @@ def decoder_parts(llm: LLM, rows: int, context: int) -> dict[str, float]:
                     kernels.linear(xs[k], w, b, s, lay)
 
         parts["linear layers (weights read)"] = best(every_linear, 3)
-        batch, cache = cpu_dispatch._paged_batch(attn, runner.block_size, rows, 1, context)
+        batch, cache = cpu_dispatch._paged_batch(attn, runner.block_size, rows, 1, context, runner.kv_cache_dtype)
         group = batch.groups[0]
         q = paddle.randn([rows, attn.num_heads, attn.head_dim])
         parts["attention"] = layers * best(lambda: kernels.paged_attention(
@@ -199,15 +200,17 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     kwargs = FORMATS[args.weights] if args.weights else {}
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), max_model_len=args.prompt_len + args.steps + 64,
-              enable_prefix_caching=False, **kwargs)
+              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **kwargs)
     cpu = cpu_features.detect()
     kernels = cpu_kernels.load()
     print(f"CPU: {cpu.describe()}; kernels {kernels.lanes if kernels else 0} floats per vector; "
-          f"{cpu_kernels.threads()} threads; model {args.model}; weights {args.weights or 'as stored'}")
+          f"{cpu_kernels.threads()} threads; model {args.model}; weights {args.weights or 'as stored'}; "
+          f"KV cache {llm.engine.runner.kv_cache_dtype}")
     timers = Timers()
     instrument(llm, timers)
     results = [profile(llm, timers, b, args.prompt_len, args.steps, seed=b) for b in args.batch_sizes]

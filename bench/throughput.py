@@ -8,6 +8,9 @@ checkpoint, in one run.
     python bench/make_gguf.py                   # once: the bench model as Q8_0, Q4_0, Q4_K_M GGUF files
     python bench/throughput.py --gguf bench/models/qwen2.5-0.5b-random-Q4_0.gguf ...   # llama.cpp on each file
 
+`--kv-cache-dtypes auto bfloat16` times each weight format with both KV caches in the same run
+(vLLM's CPU backend keeps a bfloat16 model's cache in bfloat16).
+
 With `--gguf`, each file is timed in this engine and in llama.cpp (llama-cpp-python, in
 `llama-server`'s default settings) reading the same bytes; rows are named by the file's type.
 
@@ -66,6 +69,7 @@ from peers import (Peer, ctranslate2_engine, llama_cpp_engine, llama_cpp_on_gguf
                    vllm_cpu_engine)
 
 from fastdeploy_lp import LLM, SamplingParams  # noqa: E402
+from fastdeploy_lp.config import KV_CACHE_DTYPES  # noqa: E402
 from fastdeploy_lp.model import cpu_features, cpu_kernels, huge_pages  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "models", "qwen2.5-0.5b-random")
@@ -196,14 +200,14 @@ def print_table(header: str, rows: list[dict], limits: dict[str, float], modes: 
     decode rate over its own; batch-1 lines with their share of the format's weight-read limit."""
     ours = {w: [f"fastdeploy_lp {w} kernels={m}" for m in modes] for w in limits}
     print(f"\n{header}\n")
-    print(f"{'engine':<38} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
+    print(f"{'engine':<48} | {'prompt':>6} | {'batch':>5} | {'decode tok/s':>12} | {'TTFT s':>7} | "
           f"{'share of weight-read limit':>26} | {'fdlp / peer':>11}")
     for weights, limit in limits.items():
         reference = ours[weights][modes.index("auto") if "auto" in modes else 0]
-        for name in ours[weights] + [p.name for p in peers if p.weights == weights]:
+        for name in ours[weights] + [p.name for p in peers if p.weights == weights.split(" kv=")[0]]:
             skipped = next((p.skipped for p in peers if p.name == name and p.skipped), None)
             if skipped:
-                print(f"{name:<38} | skipped: {skipped}")
+                print(f"{name:<48} | skipped: {skipped}")
                 continue
             for r in rows:
                 res = r["results"].get(name)
@@ -212,7 +216,7 @@ def print_table(header: str, rows: list[dict], limits: dict[str, float], modes: 
                 share = f"{res['decode_tok_s'] / limit:.0%}" if r["batch"] == 1 else ""
                 versus = "" if name in ours[weights] else \
                     f"{r['results'][reference]['decode_tok_s'] / res['decode_tok_s']:.2f}x"
-                print(f"{name:<38} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
+                print(f"{name:<48} | {r['prompt_len']:>6} | {r['batch']:>5} | {res['decode_tok_s']:>12.1f} | "
                       f"{res['ttft_s']:>7.3f} | {share:>26} | {versus:>11}")
     if missing:
         print(f"not installed, skipped: {', '.join(missing)}")
@@ -265,6 +269,9 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="+", default=[], metavar="FILE",
                     help="GGUF files to time this engine and llama.cpp on, each on the same file (with or "
                          "instead of --weights)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
+                    help="an engine per weight format and KV cache dtype (--kv-cache-dtype); rows other than auto's "
+                         "are named 'FORMAT kv=DTYPE'")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--plot", help="draw decode tok/s and TTFT against batch size to this PNG (matplotlib)")
     args = ap.parse_args()
@@ -276,7 +283,8 @@ def main() -> None:
     # Prefix caching off: the warm-up's prompt would otherwise be a cache hit in the timed run.
     engine_args = dict(max_num_seqs=max(*args.batch_sizes, PREFILL_SEQS), enable_prefix_caching=False,
                        max_model_len=max(args.prompt_lens) + args.output_len + 8)
-    llms = {w: LLM(args.model, **engine_args, **FORMATS[w]) for w in (args.weights if not args.gguf else [])}
+    llms = {w if kv == "auto" else f"{w} kv={kv}": LLM(args.model, **engine_args, **FORMATS[w], kv_cache_dtype=kv)
+            for w in (args.weights if not args.gguf else []) for kv in args.kv_cache_dtypes}
     files = {}  # format name -> GGUF file
     for path in args.gguf:
         llm = LLM(path, **engine_args)

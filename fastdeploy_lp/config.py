@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # Tokens one step computes with chunked prefill when --max-num-batched-tokens is not given.
 CHUNKED_PREFILL_TOKEN_BUDGET = 2048
 MAX_MODEL_LEN_CAP = 4096  # --max-model-len's default: the model's context, at most this
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def default_device() -> str:
@@ -50,6 +51,7 @@ class CacheConfig:
     """
 
     block_size: int
+    kv_cache_dtype: str  # auto (the dtype the model computes in), float32 or bfloat16
     kv_cache_memory: float  # GiB, CPU
     gpu_memory_utilization: float
     enable_prefix_caching: bool
@@ -59,18 +61,24 @@ class CacheConfig:
 
     def __post_init__(self):
         checks = {"block_size": isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+                  "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
                   "kv_cache_memory": isinstance(self.kv_cache_memory, (int, float)) and self.kv_cache_memory > 0,
                   "gpu_memory_utilization": isinstance(self.gpu_memory_utilization, (int, float))
                   and 0 < self.gpu_memory_utilization <= 1,
                   "max_num_batched_tokens": self.max_num_batched_tokens is None
                   or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
                   "num_blocks": self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2)}
-        wanted = {"block_size": "an integer in 1..1024", "kv_cache_memory": "a positive number of GiB",
+        wanted = {"block_size": "an integer in 1..1024", "kv_cache_dtype": " or ".join(KV_CACHE_DTYPES),
+                  "kv_cache_memory": "a positive number of GiB",
                   "gpu_memory_utilization": "a fraction in (0, 1]", "max_num_batched_tokens": "a positive integer",
                   "num_blocks": "an integer >= 2"}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: must be {wanted[name]}, got {getattr(self, name)!r}")
+
+    def dtype_for(self, compute_dtype: str) -> str:
+        """What the cache holds for a model computing in `compute_dtype`."""
+        return compute_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def token_budget(self) -> int | None:
@@ -291,6 +299,11 @@ class EngineArgs:
               "rejected pauses drafting. Default: off. See docs/speculative_decoding.md.", group=DECODING,
         parse=parse_speculative_config, metavar="JSON")
     block_size: int = option(16, "Tokens per KV cache block.", group=CACHE, parse=positive_int, metavar="N")
+    kv_cache_dtype: str = option("auto", "What the KV cache holds: auto (the dtype the model computes in: float32 on "
+                                         "CPU), float32 or bfloat16. bfloat16 halves the cache's bytes: twice the "
+                                         "tokens in --kv-cache-memory, and decode over long contexts reads half as "
+                                         "much (keys and values rounded to bfloat16 as they are stored; products "
+                                         "and sums stay float32).", group=CACHE, choices=KV_CACHE_DTYPES)
     kv_cache_memory: float = option(4.0, "KV cache size on CPU, in GiB (never more than max_num_seqs full-length "
                                          "sequences need).", group=CACHE, parse=positive_float, metavar="GIB")
     gpu_memory_utilization: float = option(0.9, "On GPU: the fraction of the device's memory for the model and its "

@@ -38,7 +38,8 @@ def test_the_probe_is_bit_identical_in_every_mix():
     assert {r["probe"] for r in rows} == {"greedy", "seeded", "guided"} and len({r["chunk"] for r in rows}) > 1
 
 
-@pytest.mark.parametrize("weights", [dict(dtype="bfloat16"), dict(quantization="wint8"), dict(quantization="wint4")])
+@pytest.mark.parametrize("weights", [dict(dtype="bfloat16"), dict(quantization="wint8"), dict(quantization="wint4"),
+                                     dict(kv_cache_dtype="bfloat16")])
 def test_every_weight_format_is_batch_invariant(weights):
     assert _mismatched(mixes.run_mixes(True, 6, seed=5, **weights)) == []
 

@@ -74,21 +74,21 @@ BUSY_MACHINE = 0.15
 _logged: set[str] = set()
 
 
-def prepare(model, block_size: int) -> dict[str, bool] | None:
+def prepare(model, block_size: int, kv_dtype: str = "float32") -> dict[str, bool] | None:
     """Measure (or read back) which kernels beat Paddle for `model` and hand the choice to
-    `cpu_kernels`; None when no choice is needed (kernels off, forced on, absent, or not on CPU)."""
+    `cpu_kernels` (the attention ops timed on a cache of `kv_dtype`); None when no choice is needed (kernels off, forced on, absent, or not on CPU)."""
     if cpu_kernels.mode() != "auto" or not paddle.get_device().startswith("cpu"):
         return None
     kernels = cpu_kernels.load()
     if kernels is None:
         return None
-    signature = _signature(model, block_size)
+    signature = _signature(model, block_size, kv_dtype)
     store = kernels.path.with_suffix(".plans.json")
     plans = _read(store)
     plan, where = plans.get(signature), f"cached in {store}"
     if plan is None:
         start, others = time.perf_counter(), _other_processes_load()
-        plan = calibrate(kernels, model, block_size)
+        plan = calibrate(kernels, model, block_size, kv_dtype)
         where = f"measured in {time.perf_counter() - start:.2f} s"
         busy = others()
         if busy > BUSY_MACHINE:
@@ -116,7 +116,7 @@ def describe(plan: dict[str, bool]) -> str:
     return f"kernel: {names(True)} | Paddle: {names(False)}"
 
 
-def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[str, bool]:
+def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int, kv_dtype: str = "float32") -> dict[str, bool]:
     """Time every kernel against its Paddle op on `model`'s shapes: `{"op:bucket": kernel won}`."""
     cfg = model.config
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
@@ -160,7 +160,7 @@ def calibrate(kernels: cpu_kernels.CpuKernels, model, block_size: int) -> dict[s
         plan["argmax:all"] = _kernel_wins(lambda: kernels.argmax(logits), lambda: paddle.argmax(logits, axis=-1))
         span = min(256, model.rotary.cos.shape[0])  # positions the model's rotary table holds
         for bucket, seqs, new, length in (("decode", 8, 1, span), ("prefill", 1, span // 2, span // 2)):
-            batch, cache = _paged_batch(attn, block_size, seqs, new, length)
+            batch, cache = _paged_batch(attn, block_size, seqs, new, length, kv_dtype)
             qkv = paddle.randn([seqs * new, attn.q_size + 2 * attn.kv_size])
             if attn.q_norm is None:  # the rotary kernel has no q/k norm
                 plan[f"rotary:{bucket}"] = _kernel_wins(
@@ -207,23 +207,23 @@ def _weight_sets(model) -> list[list[tuple[paddle.Tensor, paddle.Tensor | None]]
     return sets + [current] if current else sets
 
 
-def _paged_batch(attn, block_size: int, seqs: int, new: int, length: int):
-    """A pass of `seqs` sequences adding `new` tokens each, ending at `length`, and a cache holding them."""
+def _paged_batch(attn, block_size: int, seqs: int, new: int, length: int, kv_dtype: str = "float32"):
+    """A pass of `seqs` sequences adding `new` tokens each, ending at `length`, and a cache (of `kv_dtype`) holding them."""
     per_seq = -(-length // block_size)
     tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(seqs)]
     batch = AttentionBatch.paged([(t, length - new, new) for t in tables], block_size, attn.num_kv_heads,
                                  attn.num_heads // attn.num_kv_heads)
     rows = (1 + seqs * per_seq) * attn.num_kv_heads * block_size
-    return batch, (paddle.randn([rows, attn.head_dim]), paddle.randn([rows, attn.head_dim]))
+    return batch, tuple(paddle.randn([rows, attn.head_dim]).astype(kv_dtype) for _ in "kv")
 
 
-def _signature(model, block_size: int) -> str:
+def _signature(model, block_size: int, kv_dtype: str) -> str:
     cfg, attn = model.config, model.layers[0].self_attn
     shapes = [tuple(w.shape) for w in (attn.qkv_weight, attn.o_weight, model.layers[0].mlp.gate_up_weight,
                                        model.layers[0].mlp.down_weight)]
     formats = sorted({str(layout) for layout in cfg.weight_layouts.values()})
     return json.dumps([PLAN_VERSION, shapes, str(attn.qkv_weight.dtype), formats, cfg.vocab_size, len(model.layers),
-                       attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm is None, block_size,
+                       attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm is None, block_size, kv_dtype,
                        cpu_kernels.threads()])
 
 

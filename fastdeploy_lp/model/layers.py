@@ -240,8 +240,17 @@ def zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
         return
     for cache in kv_cache:
         blocks = cache.reshape([-1, cache.shape[-1] * batch.groups[0].block_size])
-        blocks.scatter_(batch.zero_rows, paddle.zeros([batch.zero_rows.shape[0], blocks.shape[-1]], cache.dtype),
-                        overwrite=True)
+        store_rows(blocks, batch.zero_rows, paddle.zeros([batch.zero_rows.shape[0], blocks.shape[-1]], cache.dtype))
+
+
+def store_rows(cache: paddle.Tensor, rows: paddle.Tensor, values: paddle.Tensor) -> None:
+    """cache[rows] = values (`[N, width]`, cast to the cache's dtype), in place. Paddle's CPU scatter
+    has no bfloat16 kernel, so a bfloat16 cache and its values are scattered as float32 pairs: the
+    same bits, moved, not converted."""
+    values = values if values.dtype == cache.dtype else values.astype(cache.dtype)
+    if cache.dtype == paddle.bfloat16:
+        cache, values = cache.view(paddle.float32), values.view(paddle.float32)
+    cache.scatter_(rows, values, overwrite=True)
 
 
 class Attention(nn.Layer):
@@ -301,8 +310,8 @@ class Attention(nn.Layer):
         """Rotary and the cache write in Paddle's ops. Returns the rotated queries `[T, H, D]`."""
         q, k, v = self._rotated(qkv, batch, rotary)
         zero_fresh_blocks(batch, kv_cache)
-        kv_cache[0].scatter_(batch.write_rows, k.reshape([-1, self.head_dim]), overwrite=True)
-        kv_cache[1].scatter_(batch.write_rows, v.reshape([-1, self.head_dim]), overwrite=True)
+        store_rows(kv_cache[0], batch.write_rows, k.reshape([-1, self.head_dim]))
+        store_rows(kv_cache[1], batch.write_rows, v.reshape([-1, self.head_dim]))
         return q
 
     def rotate_and_store_kernel(self, kernels: cpu_kernels.CpuKernels, qkv, batch: AttentionBatch, rotary,
@@ -366,7 +375,7 @@ class Attention(nn.Layer):
         outs = []
         for chunk in group.chunks:
             keys, values = (paddle.index_select(c.reshape([-1, group.block_size * dim]), chunk.rows)
-                            .reshape([seqs, hkv, chunk.length, dim]) for c in (k_cache, v_cache))
+                            .reshape([seqs, hkv, chunk.length, dim]).astype(q.dtype) for c in (k_cache, v_cache))
             q_chunk = q if len(group.chunks) == 1 else q[:, :, chunk.a:chunk.b]
             scores = paddle.matmul(q_chunk.reshape([seqs, hkv, -1, dim]), keys, transpose_y=True)
             if scores.dtype != paddle.float32:

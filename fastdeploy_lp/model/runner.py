@@ -109,8 +109,8 @@ def pool_blocks(fd_config: FDConfig, block_bytes: int) -> int:
     if blocks < 2:
         raise ValueError(f"{where} leaves no room for the KV cache ({block_bytes / 2**20:.1f} MiB per block)")
     tokens = (blocks - 1) * cache.block_size
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens) from %s", blocks, cache.block_size,
-                blocks * block_bytes / 2**30, tokens, where)
+    logger.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB, %d tokens) from %s", blocks, cache.block_size,
+                cache.dtype_for(fd_config.model_config.dtype), blocks * block_bytes / 2**30, tokens, where)
     if tokens < fd_config.max_model_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused",
                        tokens, fd_config.max_model_len)
@@ -139,7 +139,8 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.kv_heads = cfg.num_key_value_heads // (1 if shard is None else shard.size)
         self.per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
-        dtype_bytes = paddle.to_tensor([], dtype=cfg.dtype).element_size()
+        self.kv_cache_dtype = cache.dtype_for(cfg.dtype)
+        dtype_bytes = paddle.to_tensor([], dtype=self.kv_cache_dtype).element_size()
         block_bytes = 2 * cfg.num_hidden_layers * self.kv_heads * self.block_size * cfg.head_dim * dtype_bytes
         self.num_blocks = pool_blocks(fd_config, block_bytes)
         if shard is not None:  # the block ids the engine hands out must exist on every rank
@@ -147,7 +148,7 @@ class ModelRunner:
         shape = [self.num_blocks * self.kv_heads * self.block_size, cfg.head_dim]
         # empty, not zeros: pages are committed as blocks are used, and every block is zeroed when
         # it is handed out (AttentionBatch.zero_rows), the null block here.
-        self.kv_caches = [(paddle.empty(shape, dtype=cfg.dtype), paddle.empty(shape, dtype=cfg.dtype))
+        self.kv_caches = [(paddle.empty(shape, dtype=self.kv_cache_dtype), paddle.empty(shape, dtype=self.kv_cache_dtype))
                           for _ in range(cfg.num_hidden_layers)]
         null_rows = self.kv_heads * self.block_size
         for pair in self.kv_caches:
@@ -160,7 +161,7 @@ class ModelRunner:
                 logger.info("deterministic: batch-invariant CPU kernels for every op (%s, %d floats per vector)",
                             cpu_features.detect().describe(), kernels.lanes)
         else:
-            cpu_dispatch.prepare(self.model, self.block_size)
+            cpu_dispatch.prepare(self.model, self.block_size, self.kv_cache_dtype)
 
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
         """Logits `[rows, vocab]` (float32) for the last `num_logits` tokens of the feeds asking for
