@@ -274,7 +274,8 @@ def reference_attention(q, k_cache, v_cache, tables, lens, new, block_size, scal
 
 
 @pytest.mark.parametrize("new", [1, 3, 11])  # decode; the causal mask among a pass's tokens; two query tiles
-@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 128), (4, 2, 40)])  # 40: no 16-lane rows
+# 40: no 16-lane rows; 80: an odd number of 16-lane vectors; 7 and 8 query heads a KV head: more than one group of them
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 128), (4, 2, 40), (16, 2, 80)])
 def test_paged_attention_matches_a_gather_reference(kernels, heads, kv_heads, dim, new):
     rng = np.random.default_rng(heads)
     block_size, blocks = 4, 12

@@ -111,30 +111,71 @@ static void softmax_row(float *row, int64_t len) {
     for (t = 0; t < len; t++) row[t] /= total;
 }
 
-/* o[0:dim] = sum_t p[t] * value_t, with the value rows read from the blocks of KV head g. The output
- * stays in registers, up to 8 vectors at a time (half the AVX2 register file), when dim is a
- * multiple of the vector width. */
-ALWAYS_INLINE void weighted_values(const float *p, const void *v_cache, int bf16, const int64_t *table, int64_t g,
-                                   int64_t kv_heads, int64_t block_size, int64_t dim, int64_t len, float *o) {
-    enum { SPAN = 8 };
-    if (dim % LANES == 0) {
-        for (int64_t d0 = 0; d0 < dim; d0 += SPAN * LANES) {
-            vec acc[SPAN];
-            int64_t n = (dim - d0) / LANES < SPAN ? (dim - d0) / LANES : SPAN;
-            for (int64_t j = 0; j < n; j++) acc[j] = (vec){0};
-            for (int64_t t = 0; t < len; t++) {
-                const void *value = cache_row(v_cache, bf16, table, t, g, kv_heads, block_size, dim);
-                for (int64_t j = 0; j < n; j++) acc[j] += p[t] * load_kv(value, d0 + j * LANES, bf16);
+/* o[h][0:dim] = sum_t p[h][t] * value_t for `heads` (<= VALUE_HEADS) query heads at once (p's rows
+ * `stride` apart), the value rows read from the blocks of KV head g: each row is loaded (and
+ * widened) once for all of them, two vectors of it at a time, and the rows are walked block by
+ * block. dim is a multiple of the vector width. */
+enum { VALUE_HEADS = 4 };
+ALWAYS_INLINE void weighted_values(const float *p, int64_t stride, const void *v_cache, int bf16,
+                                   const int64_t *table, int64_t g, int64_t kv_heads, int64_t block_size, int64_t dim,
+                                   int64_t len, float *o, const int heads) {
+    const int64_t row_bytes = dim * (bf16 ? 2 : 4);
+    for (int64_t d0 = 0; d0 < dim; d0 += 2 * LANES) {
+        const int two = dim - d0 >= 2 * LANES;
+        vec acc[VALUE_HEADS][2];
+        for (int h = 0; h < heads; h++) acc[h][0] = acc[h][1] = (vec){0};
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const char *block = cache_row(v_cache, bf16, table, t0, g, kv_heads, block_size, dim);
+            int64_t rows = len - t0 < block_size ? len - t0 : block_size;
+            for (int64_t i = 0; i < rows; i++) {
+                const char *row = block + i * row_bytes;
+                vec v0 = load_kv(row, d0, bf16), v1 = two ? load_kv(row, d0 + LANES, bf16) : (vec){0};
+                for (int h = 0; h < heads; h++) {
+                    vec ph = splat(p[h * stride + t0 + i]);
+                    acc[h][0] += ph * v0;
+                    if (two) acc[h][1] += ph * v1;
+                }
             }
-            for (int64_t j = 0; j < n; j++) *(vec *)(o + d0 + j * LANES) = acc[j];
         }
-        return;
+        for (int h = 0; h < heads; h++) {
+            *(vec *)(o + h * dim + d0) = acc[h][0];
+            if (two) *(vec *)(o + h * dim + d0 + LANES) = acc[h][1];
+        }
     }
+}
+
+/* o[0:dim] = sum_t p[t] * value_t where dim is not whole vectors. */
+ALWAYS_INLINE void weighted_values_scalar(const float *p, const void *v_cache, int bf16, const int64_t *table,
+                                          int64_t g, int64_t kv_heads, int64_t block_size, int64_t dim, int64_t len,
+                                          float *o) {
     memset(o, 0, (size_t)dim * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         const void *value = cache_row(v_cache, bf16, table, t, g, kv_heads, block_size, dim);
         for (int64_t d = 0; d < dim; d++) o[d] += p[t] * kv_at(value, d, bf16);
     }
+}
+
+/* scores[h][t + j] = scale * q_h . key_j for 4 keys and `heads` (<= SCORE_HEADS) query heads (rows of
+ * qh and of scores `dim` and `stride` apart): each key vector is loaded (and widened) once for all
+ * of them, and 8 sums end in one reduction (lane_sums8). dim is a multiple of the vector width. */
+enum { SCORE_HEADS = LANES == 16 ? 4 : 2 };
+ALWAYS_INLINE void key_scores(const float *qh, const void *const keys[4], int bf16, int64_t dim, float *scores,
+                              int64_t stride, float scale, const int heads) {
+    vec acc[SCORE_HEADS * 4 + 4];
+    float sums[SCORE_HEADS * 4 + 4];
+    const int live = (heads * 4 + 7) / 8 * 8; /* whole groups of 8 for lane_sums8; the rest stay zero */
+    for (int i = 0; i < live; i++) acc[i] = (vec){0};
+    for (int64_t d = 0; d < dim; d += LANES) {
+        vec k[4];
+        for (int j = 0; j < 4; j++) k[j] = load_kv(keys[j], d, bf16);
+        for (int h = 0; h < heads; h++) {
+            vec qv = load(qh + h * dim + d);
+            for (int j = 0; j < 4; j++) acc[h * 4 + j] += qv * k[j];
+        }
+    }
+    for (int i = 0; i < live; i += 8) lane_sums8(acc + i, sums + i);
+    for (int h = 0; h < heads; h++)
+        for (int j = 0; j < 4; j++) scores[h * stride + j] = sums[h * 4 + j] * scale;
 }
 
 /* One task of `fdlp_paged_attention`: the per_kv query heads `qg` of KV head g over a sequence's
@@ -143,21 +184,21 @@ ALWAYS_INLINE void attend_group(const float *qg, const void *k_cache, const void
                                 const int64_t *table, int64_t g, int64_t len, float *o, float *scores, int64_t per_kv,
                                 int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_len, float scale) {
     int64_t t = 0;
-    /* eight keys at a time against each query head: their dot products end in one reduction
-     * (lane_sums8), where one per key cost more than the products themselves at head_dim 64 */
-    for (; dim % LANES == 0 && t + 8 <= len; t += 8) {
-        const void *keys[8];
-        for (int j = 0; j < 8; j++) keys[j] = cache_row(k_cache, bf16, table, t + j, g, kv_heads, block_size, dim);
-        for (int64_t h = 0; h < per_kv; h++) {
+    /* four keys at a time against up to SCORE_HEADS query heads: one load of each key for them all */
+    for (; dim % LANES == 0 && t + 4 <= len; t += 4) {
+        const void *keys[4];
+        for (int j = 0; j < 4; j++) keys[j] = cache_row(k_cache, bf16, table, t + j, g, kv_heads, block_size, dim);
+        for (int64_t h = 0; h < per_kv; h += SCORE_HEADS) {
             const float *qh = qg + h * dim;
-            vec acc[8] = {{0}};
-            for (int64_t d = 0; d < dim; d += LANES) {
-                vec qv = load(qh + d);
-                for (int j = 0; j < 8; j++) acc[j] += qv * load_kv(keys[j], d, bf16);
-            }
             float *out = scores + h * max_len + t;
-            lane_sums8(acc, out);
-            for (int j = 0; j < 8; j++) out[j] *= scale;
+            switch (per_kv - h < SCORE_HEADS ? per_kv - h : SCORE_HEADS) {
+            case 1: key_scores(qh, keys, bf16, dim, out, max_len, scale, 1); break;
+            case 2: key_scores(qh, keys, bf16, dim, out, max_len, scale, 2); break;
+#if LANES == 16
+            case 3: key_scores(qh, keys, bf16, dim, out, max_len, scale, 3); break;
+            case 4: key_scores(qh, keys, bf16, dim, out, max_len, scale, 4); break;
+#endif
+            }
         }
     }
     for (; t < len; t++) {
@@ -165,8 +206,22 @@ ALWAYS_INLINE void attend_group(const float *qg, const void *k_cache, const void
         for (int64_t h = 0; h < per_kv; h++) scores[h * max_len + t] = scale * dot_kv(qg + h * dim, key, dim, bf16);
     }
     for (int64_t h = 0; h < per_kv; h++) softmax_row(scores + h * max_len, len);
-    for (int64_t h = 0; h < per_kv; h++)
-        weighted_values(scores + h * max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len, o + h * dim);
+    if (dim % LANES) {
+        for (int64_t h = 0; h < per_kv; h++)
+            weighted_values_scalar(scores + h * max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len,
+                                   o + h * dim);
+        return;
+    }
+    for (int64_t h = 0; h < per_kv; h += VALUE_HEADS) {
+        const float *p = scores + h * max_len;
+        float *oh = o + h * dim;
+        switch (per_kv - h < VALUE_HEADS ? per_kv - h : VALUE_HEADS) {
+        case 1: weighted_values(p, max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len, oh, 1); break;
+        case 2: weighted_values(p, max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len, oh, 2); break;
+        case 3: weighted_values(p, max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len, oh, 3); break;
+        default: weighted_values(p, max_len, v_cache, bf16, table, g, kv_heads, block_size, dim, len, oh, 4);
+        }
+    }
 }
 
 /* Causal attention of each sequence's `new` last tokens over its cached keys, read in place from
