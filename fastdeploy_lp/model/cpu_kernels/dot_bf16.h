@@ -109,7 +109,7 @@ static int dot_linear(const float *x, const uint16_t *w, const float *scale, con
     const int64_t block = 48;
     int64_t k_pad = (k_len + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
     void *fresh;
-    uint16_t *xb = call_scratch(0, (size_t)(m_len * k_pad) * sizeof(uint16_t), &fresh);
+    uint16_t *xb = call_scratch(SCRATCH_BF16_ROWS, (size_t)(m_len * k_pad) * sizeof(uint16_t), &fresh);
     if (!xb) return -1;
     bf16_rows(x, m_len, k_len, k_pad, xb);
     if (X_PANELS && m_len >= PANEL_MIN_ROWS &&

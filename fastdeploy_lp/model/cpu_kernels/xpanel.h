@@ -18,7 +18,7 @@ enum { PANEL = 16, PANEL_NR = 12, PANEL_BLOCK = 96 /* weight rows kept in L2 acr
  * seen) when `bytes` fit in SCRATCH_KEPT, so a decode step allocates nothing (a fresh 600 KB, a down
  * projection's 32 rows, came from mmap with its page faults at every call); a larger one (prefill)
  * is allocated for the call and `*fresh` set for the caller to free. NULL: no memory. */
-enum { SCRATCH_KEPT = 8 << 20 };
+enum { SCRATCH_KEPT = 8 << 20, SCRATCH_BF16_ROWS = 0 /* dot_bf16.h's x rounded */, SCRATCH_PANELS = 1 };
 static void *call_scratch(int slot, size_t bytes, void **fresh) {
     static __thread void *kept[2];
     static __thread size_t size[2];
@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void panel_rows(const uint32_t *xp,
 static int panel_linear(const uint32_t *rows, int64_t words, const void *w, const float *scale, const float *bias,
                         float *y, int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads, const int dot) {
     void *fresh;
-    uint32_t *xp = call_scratch(1, (size_t)((m_len + PANEL - 1) / PANEL * PANEL * words) * sizeof(uint32_t), &fresh);
+    uint32_t *xp = call_scratch(SCRATCH_PANELS, (size_t)((m_len + PANEL - 1) / PANEL * PANEL * words) * sizeof(uint32_t), &fresh);
     if (!xp) return -1;
     pack_panels(rows, m_len, words, words, xp);
 #pragma omp parallel num_threads(threads)
