@@ -302,8 +302,8 @@ class EngineArgs:
     kv_cache_dtype: str = option("auto", "What the KV cache holds: auto (the dtype the model computes in: float32 on "
                                          "CPU), float32 or bfloat16. bfloat16 halves the cache's bytes: twice the "
                                          "tokens in --kv-cache-memory, and decode over long contexts reads half as "
-                                         "much (keys and values rounded to bfloat16 as they are stored; products "
-                                         "and sums stay float32).", group=CACHE, choices=KV_CACHE_DTYPES)
+                                         "much (keys and values rounded to bfloat16 as they are stored; on CPU "
+                                         "products and sums stay float32).", group=CACHE, choices=KV_CACHE_DTYPES)
     kv_cache_memory: float = option(4.0, "KV cache size on CPU, in GiB (never more than max_num_seqs full-length "
                                          "sequences need).", group=CACHE, parse=positive_float, metavar="GIB")
     gpu_memory_utilization: float = option(0.9, "On GPU: the fraction of the device's memory for the model and its "

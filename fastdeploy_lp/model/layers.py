@@ -245,11 +245,11 @@ def zero_fresh_blocks(batch: AttentionBatch, kv_cache) -> None:
 
 def store_rows(cache: paddle.Tensor, rows: paddle.Tensor, values: paddle.Tensor) -> None:
     """cache[rows] = values (`[N, width]`, cast to the cache's dtype), in place. Paddle's CPU scatter
-    has no bfloat16 kernel, so a bfloat16 cache and its values are scattered as float32 pairs: the
-    same bits, moved, not converted."""
+    has no bfloat16 kernel, so there a bfloat16 cache and its values are scattered as float32 pairs
+    (head_dim is even): the same bits, moved, not converted."""
     values = values if values.dtype == cache.dtype else values.astype(cache.dtype)
-    if cache.dtype == paddle.bfloat16:
-        cache, values = cache.view(paddle.float32), values.view(paddle.float32)
+    if cache.dtype == paddle.bfloat16 and cache.place.is_cpu_place():
+        cache, values = cache.view(paddle.float32), values.contiguous().view(paddle.float32)
     cache.scatter_(rows, values, overwrite=True)
 
 
