@@ -273,8 +273,8 @@ def main() -> None:
                     help="GGUF files to time this engine and llama.cpp on, each on the same file (with or "
                          "instead of --weights)")
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
-                    help="an engine per weight format and KV cache dtype (--kv-cache-dtype); rows other than auto's "
-                         "are named 'FORMAT kv=DTYPE'")
+                    help="an engine per weight format (or --gguf file) and KV cache dtype (--kv-cache-dtype); rows "
+                         "other than auto's are named 'FORMAT kv=DTYPE'")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--plot", help="draw decode tok/s and TTFT against batch size to this PNG (matplotlib)")
     args = ap.parse_args()
@@ -290,9 +290,10 @@ def main() -> None:
             for w in (args.weights if not args.gguf else []) for kv in args.kv_cache_dtypes}
     files = {}  # format name -> GGUF file
     for path in args.gguf:
-        llm = LLM(path, **engine_args)
         name = f"GGUF {os.path.basename(path).removesuffix('.gguf').rsplit('-', 1)[-1]}"
-        llms[name], files[name] = llm, path
+        files[name] = path
+        for kv in args.kv_cache_dtypes:
+            llms[name if kv == "auto" else f"{name} kv={kv}"] = LLM(path, **engine_args, kv_cache_dtype=kv)
     cpu = cpu_features.detect()
     bandwidth = read_bandwidth_gbs()
     weights = {w: weight_bytes_per_token(llm) for w, llm in llms.items()}
