@@ -122,6 +122,34 @@ def test_batch_invariant_many_rows_matches_each_row_alone_bit_for_bit(kernels, d
     np.testing.assert_allclose(together, want.numpy(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [64, 117, 903])  # 117, 903: a weight line cut short, an odd last weight
+def test_batch_invariant_bfloat16_activations_match_each_row_alone_bit_for_bit(kernels, k):
+    """With `vdpbf16ps` (AVX-512 BF16 builds), batch-invariant mode keeps bfloat16 activations and
+    takes dot_bf16.h's rows at every row count, never the panels: 70 rows together, or in slices of
+    20, give every row as it comes alone. Without the mode 70 rows run the panels, another order."""
+    rng = np.random.default_rng(k + 2)
+    w = paddle.to_tensor(rng.standard_normal((37, k), dtype=np.float32)).astype("bfloat16")
+    x = paddle.to_tensor(rng.standard_normal((70, k), dtype=np.float32))
+    bias = paddle.to_tensor(rng.standard_normal(37, dtype=np.float32))
+    before = kernels.bf16_dot
+    kernels.set_bf16_dot(True)
+    try:
+        if not kernels.bf16_dot:
+            pytest.skip("this build has no AVX-512 BF16")
+        panels = kernels.linear(x, w, bias).numpy()
+        kernels.set_batch_invariant(1)
+        together = kernels.linear(x, w, bias).numpy()
+        slices = np.concatenate([kernels.linear(x[i:i + 20], w, bias).numpy() for i in range(0, 70, 20)])
+        alone = np.concatenate([kernels.linear(x[i:i + 1], w, bias).numpy() for i in range(70)])
+    finally:
+        kernels.set_batch_invariant(0)
+        kernels.set_bf16_dot(before)
+    assert together.view(np.uint32).tolist() == alone.view(np.uint32).tolist() == slices.view(np.uint32).tolist()
+    assert together.view(np.uint32).tolist() != panels.view(np.uint32).tolist()
+    w64 = w.astype("float32").numpy().astype(np.float64).T
+    np.testing.assert_allclose(together, _round_to_bfloat16(x.numpy()) @ w64 + bias.numpy(), rtol=1e-5, atol=1e-4)
+
+
 def test_batch_invariant_rows_and_panels_taken_in_groups_match_each_row_alone(kernels):
     """Past the packed kernel's groups (about 2 MB of x's rows against about 4 MB of weight panels at
     a time), on two threads, every row still comes out as it does alone."""

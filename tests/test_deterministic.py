@@ -44,6 +44,21 @@ def test_every_weight_format_is_batch_invariant(weights):
     assert _mismatched(mixes.run_mixes(True, 6, seed=5, **weights)) == []
 
 
+def test_bfloat16_activations_on_avx512_bf16_are_batch_invariant():
+    """Where the CPU has AVX-512 BF16 a bfloat16 model's linear layers multiply activations rounded to
+    bfloat16 (`vdpbf16ps`) with the flag too, in dot_bf16.h's order at every row count (the suite
+    runs with FDLP_CPU_BF16_DOT=0, so it is switched on here)."""
+    kernels = cpu_kernels.load()
+    before = kernels.bf16_dot
+    kernels.set_bf16_dot(True)
+    try:
+        if not kernels.bf16_dot:
+            pytest.skip("this CPU has no AVX-512 BF16")
+        assert _mismatched(mixes.run_mixes(True, 6, seed=6, dtype="bfloat16")) == []
+    finally:
+        kernels.set_bf16_dot(before)
+
+
 def test_without_the_flag_the_same_mixes_change_the_probe():
     """What the flag removes (on the main this was written on, 30 of 30 mixes differed, by up to ~2e-6
     in a logprob): if this starts passing without the flag, the default path became batch-invariant."""

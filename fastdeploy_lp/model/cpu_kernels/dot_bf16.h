@@ -4,10 +4,18 @@
  * bfloat16 model's activations are in transformers, oneDNN and vLLM); the products are exact and
  * the sums float32. Included by kernels.c before the bfloat16 `linear.h` when the compiler targets
  * AVX512_BF16 (`-mavx512bf16`, which cpu_features adds only where the CPU reports it);
- * `linear_bf16` takes it at every row count unless batch-invariant mode or `fdlp_set_bf16_dot(0)`
- * keeps float32 activations: up to 8 rows of x here, more in panels (xpanel.h). Zen 4, 2 threads,
- * the bench model's weights: 8 rows 28 -> 58 GMAC/s, 32 rows (panels) 33 -> 104, 256 rows 35 -> 169
- * (MKL's float32 GEMM over the widened weight: 88). */
+ * `linear_bf16` takes it at every row count unless `fdlp_set_bf16_dot(0)` keeps float32 activations:
+ * up to 8 rows of x here, more in panels (xpanel.h). Zen 4, 2 threads, the bench model's weights:
+ * 8 rows 28 -> 58 GMAC/s, 32 rows (panels) 33 -> 104, 256 rows 35 -> 169 (MKL's float32 GEMM over
+ * the widened weight: 88).
+ *
+ * Batch-invariant mode (`--deterministic`) runs this file's tiles at every row count, never the
+ * panels: each output is sixteen `vdpbf16ps` chains (lane l over pairs l, l + 16, ... in order) added
+ * in `lane_sum`'s tree, so a row's result does not depend on the rows beside it, and x's rounding is
+ * per element. Tiles of 8 rows against blocks of 48 weight rows held in L2 ran 16-1024 rows at
+ * 0.8-1.0x the panels' speed (Zen 4, 2 threads); panels summed in this order (x lane-major, the
+ * lanes added after) ran slower than these tiles at every row count (107 against 141 GMAC/s at 32
+ * rows, 118 against 158 at 256). */
 
 enum { DOT_STEP = 32 }; /* bfloat16 values a 512-bit vector holds: one weight line */
 
@@ -71,7 +79,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, i
         }
         for (int m = 0; m < rows; m++)
             for (int r = 0; r < WR; r++)
-                if (valid[r]) y[m * ldy + at[r]] = _mm512_reduce_add_ps(a[r][m]) * (scale ? scale[at[r]] : 1.f);
+                if (valid[r]) y[m * ldy + at[r]] = lane_sum((vec)a[r][m]) * (scale ? scale[at[r]] : 1.f);
     }
 }
 
@@ -112,7 +120,7 @@ static int dot_linear(const float *x, const uint16_t *w, const float *scale, con
     uint16_t *xb = call_scratch(SCRATCH_BF16_ROWS, (size_t)(m_len * k_pad) * sizeof(uint16_t), &fresh);
     if (!xb) return -1;
     bf16_rows(x, m_len, k_len, k_pad, xb);
-    if (X_PANELS && m_len >= PANEL_MIN_ROWS &&
+    if (!batch_invariant && X_PANELS && m_len >= PANEL_MIN_ROWS &&
         !panel_linear((const uint32_t *)xb, k_pad / 2, w, scale, bias, y, m_len, n_len, k_len, ldy, threads, 1)) {
         free(fresh);
         return 0;

@@ -43,7 +43,8 @@ int fdlp_lanes(void) { return LANES; }
 
 /* Batch-invariant mode (`--deterministic`): every linear layer takes the same per-row path whatever
  * the number of rows of x (linear.h's `rows_times` for one row too, not the GEMV with its four
- * accumulators; a block format's unit order, invariant_blocks.h, not its GEMV or widened panels), so one
+ * accumulators; bfloat16 activations dot_bf16.h's tiles, not panels; a block format's unit order,
+ * invariant_blocks.h, not its GEMV or widened panels), so one
  * row's result does not depend on its neighbours. Each output element is summed by one thread in
  * a fixed order, so it does not depend on the thread count either. */
 static int batch_invariant;
@@ -93,12 +94,23 @@ static inline vec exp_vec(vec x) {
     return (p * r * r + r + 1.f) * (vec)bits;
 }
 
-static inline float lane_sum(vec v) { /* a halving tree: log2(LANES) adds, not LANES - 1 in a chain */
-    float s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] += s[i + width];
-    return s[0];
+/* The lanes of v added in a halving tree (lane i + lane i + width, width = LANES / 2, ..., 1): log2(LANES)
+ * adds, not LANES - 1 in a chain. The batch-invariant kernels (invariant.h, invariant_dot.h) add
+ * their lanes in this order, so it is spelled out: GCC compiled the loop form to a store and a
+ * dozen scalar loads and adds. */
+static inline float lane_sum(vec v) {
+#if LANES == 16
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm256_castpd_ps(_mm512_extractf64x4_pd((__m512d)v, 1)));
+#elif LANES == 8
+    __m256 h = (__m256)v;
+#endif
+#if LANES >= 8
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return q[0] + q[1];
+#else
+    return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
 }
 
 /* The linear kernel, once per weight format (`linear.h`): float32, bfloat16 and float16 weights

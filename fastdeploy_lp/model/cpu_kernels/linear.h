@@ -25,12 +25,15 @@
  * the weight rows [n0, n1), WEIGHT_ROWS at a time, each weight vector loaded once for all rows of
  * x. Decode is bound by reading the weight, and MKL's GEMM reads it at half the speed of its GEMV
  * for 2 to 16 rows. The prefetch 8 KB ahead keeps enough of those reads in flight between the
- * FMAs: 8 rows over the bench model's weights took 92 ms with it, 116 without (AVX-512). */
+ * FMAs: 8 rows over the bench model's weights took 92 ms with it, 116 without (AVX-512). One row of
+ * float32 weights (batch-invariant decode) reads faster on the hardware prefetcher alone, as the
+ * float32 GEMV does (GEMV_AHEAD 0): with the LM head, Zen 4, 2 threads, 7.8 -> 9.9 GMAC/s, the GEMV's 10.0. */
 static inline __attribute__((always_inline)) void NAME(rows_times)(const float *x, const WEIGHT *w,
                                                                    const float *scale, float *y, const int rows,
                                                                    int64_t k_len, int64_t n0, int64_t n1,
                                                                    int64_t ldy, const char *next, int64_t next_lines) {
     enum { WR = WEIGHT_ROWS, AHEAD = 8192 / sizeof(WEIGHT), LINE = 64 / sizeof(WEIGHT) };
+    const int fetch = rows > 1 || GEMV_AHEAD > 0;
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
     int64_t stride = (n1 - n0 + WR - 1) / WR; /* row r of a pass is stride rows after row r - 1: long streams */
     /* `next_lines` lines from `next` (the weight block the caller multiplies next) are prefetched
@@ -52,7 +55,7 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
             vec v[WR];
             for (int r = 0; r < WR; r++) {
                 v[r] = NAME(load_w)(wr[r] + k);
-                if (k % LINE == 0) __builtin_prefetch(wr[r] + k + AHEAD); /* one per 64-byte line */
+                if (fetch && k % LINE == 0) __builtin_prefetch(wr[r] + k + AHEAD); /* one per 64-byte line */
             }
             if (next_lines > 0 && k % LINE == 0)
                 for (int64_t j = 0; j < per && next_lines > 0; j++, next_lines--, next += 64) __builtin_prefetch(next);
@@ -275,7 +278,7 @@ static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, co
                          int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
 #ifdef DOT_LINEAR /* the format's own dot product (bfloat16 on AVX512_BF16, dot_bf16.h) */
-    if (!batch_invariant && bf16_dot && !DOT_LINEAR(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads)) return;
+    if (bf16_dot && !DOT_LINEAR(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads)) return;
 #endif
 #ifdef PANEL_FLOAT /* float32 weights, many rows: x in panels (xpanel.h) */
     if (!batch_invariant && X_PANELS && m_len >= PANEL_MIN_ROWS &&
