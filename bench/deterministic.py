@@ -166,11 +166,13 @@ def one_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float,
     return len(prompts) * (output_len - 1) / decode, sum(first.values()) / len(first) - start
 
 
-def speed(batch: int, model: str | None, prompt_len: int, output_len: int, repeats: int = 3) -> dict[bool, tuple]:
+def speed(batch: int, model: str | None, prompt_len: int, output_len: int, repeats: int = 3,
+          **engine_args) -> dict[bool, tuple]:
     """{deterministic: (decode tok/s, TTFT s)} for `batch` greedy requests with random `prompt_len`-token
     prompts (EOS ignored, prefix caching off): each the best of `repeats` runs, the two engines' runs
     interleaved so a busy moment of the machine hits both alike."""
-    llms = {flag: LLM(model, device="cpu", max_num_seqs=batch, deterministic=flag, enable_prefix_caching=False)
+    llms = {flag: LLM(model, device="cpu", max_num_seqs=batch, deterministic=flag, enable_prefix_caching=False,
+                      **engine_args)
             for flag in (False, True)}
     vocab = llms[False].engine.fd_config.model_config.vocab_size
     rng = random.Random(7)
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="--speed's weight dtype (LLM(dtype=...))")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="--speed's KV cache dtype")
     args = parser.parse_args()
     report = {"cpu": cpu_line()}
     print(report["cpu"])
@@ -218,11 +222,13 @@ def main() -> None:
             report[f"mixes_{'on' if flag else 'off'}"] = {"mixes": len(rows), "matched": ok, "seconds": round(took, 1),
                                                           "mismatched": [r for r in rows if not r["matched"]][:20]}
     if args.speed:
-        print(f"\n{args.model or 'built-in model'}, prompt {args.prompt_len}, {args.output_len} new tokens, greedy\n")
+        print(f"\n{args.model or 'built-in model'} (dtype {args.dtype}, KV cache {args.kv_cache_dtype}), "
+              f"prompt {args.prompt_len}, {args.output_len} new tokens, greedy\n")
         print("| batch | decode tok/s off | on | on / off | TTFT off | TTFT on |")
         print("|---:|---:|---:|---:|---:|---:|")
         for batch in args.batch_sizes:
-            both = speed(batch, args.model, args.prompt_len, args.output_len, args.repeats)
+            both = speed(batch, args.model, args.prompt_len, args.output_len, args.repeats,
+                         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
             off, on = both[False], both[True]
             print(f"| {batch} | {off[0]:.1f} | {on[0]:.1f} | {on[0] / off[0]:.2f} | {off[1]:.3f} s | {on[1]:.3f} s |")
             report[f"speed_b{batch}"] = {"decode_tok_s": [round(off[0], 1), round(on[0], 1)],
