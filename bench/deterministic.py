@@ -63,8 +63,9 @@ def result(output) -> tuple:
 class Mixes:
     """Engines per configuration, all with the same `deterministic`, and the probe's results."""
 
-    def __init__(self, deterministic: bool, **engine_args):
+    def __init__(self, deterministic: bool, speculative: dict = NGRAM, spec_rate: float = 0.3, **engine_args):
         self.deterministic = deterministic
+        self.speculative, self.spec_rate = speculative, spec_rate  # the mixes' speculation and how often
         self.engine_args = engine_args  # for every engine: a weight format (dtype, quantization), ...
         self.engines: dict[tuple, LLM] = {}
         self.reference: dict[str, tuple] = {}
@@ -75,7 +76,7 @@ class Mixes:
             self.engines[key] = LLM(device="cpu", max_num_seqs=8, max_model_len=256, deterministic=self.deterministic,
                                     logits_processors=PROCESSORS, **self.engine_args, max_num_batched_tokens=chunk, enable_prefix_caching=prefix,
                                     num_blocks=SMALL_POOL if small else None,
-                                    speculative_config=NGRAM if spec else None)
+                                    speculative_config=self.speculative if spec else None)
         return self.engines[key]
 
     def alone(self, kind: str) -> tuple:
@@ -91,7 +92,7 @@ class Mixes:
         """One random mix; returns its description and whether each probe choice matched."""
         rng = random.Random(seed)
         config = dict(chunk=rng.choice(CHUNKS), prefix=rng.random() < 0.7, small=rng.random() < 0.4,
-                      spec=rng.random() < 0.3)
+                      spec=rng.random() < self.spec_rate)
         llm = self.engine(**config)
         vocab = llm.engine.fd_config.model_config.vocab_size
         probe = probe_prompt(vocab)
@@ -146,6 +147,7 @@ def _neighbour_processors(rng: random.Random, vocab: int) -> dict:
 
 
 def run_mixes(deterministic: bool, mixes: int, seed: int = 0, **engine_args) -> list[dict]:
+    """`mixes` random mixes (`Mixes.mix`) drawn from `seed`; `engine_args` as `Mixes` takes them."""
     runner = Mixes(deterministic, **engine_args)
     return [runner.mix(seed * 100_000 + i) for i in range(mixes)]
 

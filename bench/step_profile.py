@@ -201,16 +201,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True): the batch-invariant kernels")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     kwargs = FORMATS[args.weights] if args.weights else {}
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), max_model_len=args.prompt_len + args.steps + 64,
-              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **kwargs)
+              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+              **kwargs)
     cpu = cpu_features.detect()
     kernels = cpu_kernels.load()
     print(f"CPU: {cpu.describe()}; kernels {kernels.lanes if kernels else 0} floats per vector; "
           f"{cpu_kernels.threads()} threads; model {args.model}; weights {args.weights or 'as stored'}; "
-          f"KV cache {llm.engine.runner.kv_cache_dtype}")
+          f"KV cache {llm.engine.runner.kv_cache_dtype}; deterministic {args.deterministic}")
     timers = Timers()
     instrument(llm, timers)
     results = [profile(llm, timers, b, args.prompt_len, args.steps, seed=b) for b in args.batch_sizes]

@@ -59,6 +59,22 @@ def test_bfloat16_activations_on_avx512_bf16_are_batch_invariant():
         kernels.set_bf16_dot(before)
 
 
+def test_draft_model_speculation_keeps_the_probe_batch_invariant():
+    """Every mix drafts with a draft model (the built-in model as its own draft, so most drafts are
+    accepted): a verified position is a plain step's, so the probe is still the probe alone."""
+    from fastdeploy_lp.model_config import default_model_path
+    draft = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 3}
+    rows = mixes.run_mixes(True, 4, seed=9, speculative=draft, spec_rate=1.0)
+    assert _mismatched(rows) == [] and all(r["spec"] for r in rows)
+
+
+def test_a_model_with_query_and_key_norms_is_batch_invariant():
+    """Qwen3's per-head q/k RMSNorm (the C norm under the flag) and its rotary on Paddle's elementwise
+    ops: the tiny Qwen3 fixture's probe is the probe alone in every mix."""
+    qwen3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf", "qwen3")
+    assert _mismatched(mixes.run_mixes(True, 6, seed=11, model=qwen3)) == []
+
+
 def test_without_the_flag_the_same_mixes_change_the_probe():
     """What the flag removes (on the main this was written on, 30 of 30 mixes differed, by up to ~2e-6
     in a logprob): if this starts passing without the flag, the default path became batch-invariant."""
@@ -120,15 +136,19 @@ def test_the_mode_holds_only_over_a_deterministic_engines_passes():
     assert linear.kernels_for(paddle.zeros([64, 8]), "linear", 64) is cpu_kernels.for_op("linear", 64)
 
 
-def test_through_the_server_alone_and_among_concurrent_neighbours():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_through_the_server_alone_and_among_concurrent_neighbours(replicas):
     """`--deterministic` on the server: /v1/models and the start-up line say so, and a completion's
-    logprobs are the same alone and while other requests are decoding beside it."""
+    logprobs are the same alone and while other requests are decoding beside it; with two engine
+    processes (`--data-parallel-size 2`, each request to the less loaded one), the same whichever
+    engine serves it: the probes sent in pairs land on both."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from server_harness import start_server
 
-    server = start_server("--deterministic", "--max-model-len", "256", "--log-level", "info")
+    server = start_server("--deterministic", "--max-model-len", "256", "--log-level", "info",
+                          "--data-parallel-size", str(replicas))
     try:
         card = httpx.get(server.url("/v1/models"), timeout=10).json()["data"][0]
         assert card["deterministic"] is True
@@ -145,6 +165,8 @@ def test_through_the_server_alone_and_among_concurrent_neighbours():
         alone = complete(probe), complete(probe, seed=7)
         neighbours = [f"Neighbour {i} writes" + " a longer line" * i for i in range(6)]
         with ThreadPoolExecutor(8) as pool:
+            pairs = [[pool.submit(complete, probe, seed) for _ in range(2)] for seed in (None, 7)]
+            assert [f.result() for f in pairs[0]] == [alone[0]] * 2 and [f.result() for f in pairs[1]] == [alone[1]] * 2
             busy = [pool.submit(complete, text, i) for i, text in enumerate(neighbours)]
             beside = pool.submit(complete, probe).result(), pool.submit(complete, probe, 7).result()
             [f.result() for f in busy]
