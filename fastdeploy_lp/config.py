@@ -245,8 +245,9 @@ class EngineArgs:
     deterministic: bool = option(
         False, "Batch-invariant inference: a request's tokens and logprobs are the same bit for bit whatever it is "
                "batched with (neighbours, prefix cache hits, prompt chunks, preemption, n, speculation), on the same "
-               "model, weights, flags and CPU ISA; every op on the CPU kernels in one fixed summation order. CPU, "
-               "one rank, a silu MLP; slower prefill. See docs/deterministic.md.", group=MODEL)
+               "model, weights, flags and CPU ISA; every op on the CPU kernels in one fixed summation order (tensor-"
+               "parallel ranks' parts added in rank order). CPU, a silu MLP; slower prefill. See "
+               "docs/deterministic.md.", group=MODEL)
     logits_processors: list[str] = option(
         default_factory=list, help="Logits processors, applied in this order: a built-in name (e.g. "
         "LogitBiasLogitsProcessor) or 'package.module:ClassName'. Requests enable them through "
@@ -382,7 +383,7 @@ class EngineArgs:
             check_launched_ranks(self.tensor_parallel_address, self.tensor_parallel_size)
         model_config = _with_dtype(model_config, self.dtype, self.quantization, device)
         if self.deterministic:
-            _check_deterministic(model_config, device, self.tensor_parallel_size)
+            _check_deterministic(model_config, device)
         if model_config.quantization == "wint4":
             wint4_format(self.wint4_group_size)  # refuses another group size, naming it
             model_config = dataclasses.replace(model_config, wint4_group=self.wint4_group_size)
@@ -412,13 +413,11 @@ class EngineArgs:
         return SequenceLimits(**values)
 
 
-def _check_deterministic(model_config: ModelConfig, device: str, tensor_parallel_size: int) -> None:
+def _check_deterministic(model_config: ModelConfig, device: str) -> None:
     """Refuse what `--deterministic` cannot make batch-invariant, naming why (docs/deterministic.md)."""
     why = None
     if not device.startswith("cpu"):
         why = f"it runs on this engine's CPU kernels, and the device is {device}"
-    elif tensor_parallel_size != 1:
-        why = "the ranks' all-reduce order is not fixed here (tensor_parallel_size must be 1)"
     elif model_config.hidden_act not in ("silu", "swish"):
         why = (f"hidden_act={model_config.hidden_act!r} runs in Paddle's elementwise ops, whose split between "
                f"vector and scalar code depends on the tensor's size (the kernels' swiglu covers silu only)")

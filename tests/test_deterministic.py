@@ -8,12 +8,13 @@ Paddle's GEMM and the norms sum in orders that depend on the batch. Built-in mod
 from __future__ import annotations
 
 import os
+import random
 import sys
 
 import paddle
 import pytest
 
-from fastdeploy_lp import LLM
+from fastdeploy_lp import LLM, SamplingParams
 from fastdeploy_lp.model import cpu_kernels, linear
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -115,9 +116,30 @@ def test_the_result_does_not_depend_on_the_thread_count():
         cpu_kernels.set_threads(threads)
 
 
+def test_tensor_parallel_ranks_add_their_parts_in_rank_order():
+    """Four ranks over gloo (on however many cores): each row-parallel layer's parts are gathered and
+    added rank 0 first, so the probe among neighbours, in prompt chunks and after its own prefix was
+    cached, is the probe alone on the same engine, bit for bit."""
+    llm = LLM(device="cpu", deterministic=True, tensor_parallel_size=4, max_num_seqs=8, max_model_len=256,
+              max_num_batched_tokens=48, logits_processors=mixes.PROCESSORS)
+    try:
+        vocab = llm.engine.fd_config.model_config.vocab_size
+        probe = mixes.probe_prompt(vocab)
+        for kind in ("greedy", "seeded"):
+            alone = mixes.result(llm.generate([probe], mixes.probe_params(kind), use_tqdm=False)[0].outputs)
+            for seed in range(2):
+                rng = random.Random(seed)
+                prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 90))] for _ in range(rng.randint(2, 6))]
+                params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True) for _ in prompts]
+                at = rng.randint(0, len(prompts))
+                outs = llm.generate(prompts[:at] + [probe] + prompts[at:],
+                                    params[:at] + [mixes.probe_params(kind)] + params[at:], use_tqdm=False)
+                assert mixes.result(outs[at].outputs) == alone, (kind, seed)
+    finally:
+        llm.engine.runner.close()
+
+
 def test_what_cannot_be_made_invariant_is_refused_at_start_up():
-    with pytest.raises(ValueError, match="deterministic: .*tensor_parallel_size"):
-        LLM(device="cpu", deterministic=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="deterministic: .*device is gpu"):
         LLM(device="gpu", deterministic=True)
 

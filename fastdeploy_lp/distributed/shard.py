@@ -25,10 +25,12 @@ import paddle.distributed as dist
 @dataclass(frozen=True)
 class TensorShard:
     """Rank `rank` of `size` ranks; the process group is Paddle's default one
-    (`paddle.distributed.init_parallel_env()`)."""
+    (`paddle.distributed.init_parallel_env()`). `fixed_order` (`--deterministic`): `all_reduce`
+    adds the ranks' parts in rank order, whatever the tensor's size."""
 
     rank: int
     size: int
+    fixed_order: bool = False
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -44,9 +46,19 @@ class TensorShard:
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum over the ranks (the partial sums of a row-parallel layer); in place when `x` is
-        contiguous (`linear.linear`'s few-row CPU path gives a transposed view, which is copied)."""
+        contiguous (`linear.linear`'s few-row CPU path gives a transposed view, which is copied).
+        With `fixed_order` the parts are gathered and added rank 0 first: a ring all-reduce (gloo's,
+        NCCL's) cuts the tensor into chunks by its size and starts each chunk's sum at another rank,
+        so from three ranks up an element's sum could change with the number of rows in the pass."""
         if not x.is_contiguous():
             x = x.contiguous()
+        if self.fixed_order:
+            parts: list[paddle.Tensor] = []
+            dist.all_gather(parts, x)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return total
         dist.all_reduce(x)
         return x
 

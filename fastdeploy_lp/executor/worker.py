@@ -147,7 +147,7 @@ def _start(spec: WorkerSpec, rank: int, ranks_here: int):
         fd_config = dataclasses.replace(fd_config, cpu_threads=max(1, len(os.sched_getaffinity(0)) // ranks_here))
     paddle.set_device(device)
     dist.init_parallel_env()
-    return ModelRunner(fd_config, shard=TensorShard(rank, size))
+    return ModelRunner(fd_config, shard=TensorShard(rank, size, fixed_order=fd_config.deterministic))
 
 
 def _serve(runner, conn: Connection, rank: int, out: np.ndarray | None) -> None:
