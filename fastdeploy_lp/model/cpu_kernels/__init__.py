@@ -200,7 +200,8 @@ class CpuKernels:
                         stack.norms, stack.final_norm, stack.eps, stack.linears, stack.caches,
                         ctypes.byref(attention_struct), None if lora is None else ctypes.byref(lora.struct),
                         work.data_ptr(), _threads):
-            raise MemoryError("decoder layers: no memory for the block-format linears' buffers")
+            raise MemoryError("decoder layers: no memory for a linear layer's buffers (x quantized for block "
+                              "formats, or rounded to bfloat16)")
         return out
 
     def lora_update(self, lora: LoRAInputs, linear: int, x: paddle.Tensor, y: paddle.Tensor, widths: list[int]) -> None:

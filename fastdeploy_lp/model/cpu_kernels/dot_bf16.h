@@ -13,9 +13,9 @@
  * panels: each output is sixteen `vdpbf16ps` chains (lane l over pairs l, l + 16, ... in order) added
  * in `lane_sum`'s tree, so a row's result does not depend on the rows beside it, and x's rounding is
  * per element. Tiles of 8 rows against blocks of 48 weight rows held in L2 ran 16-1024 rows at
- * 0.8-1.0x the panels' speed (Zen 4, 2 threads); panels summed in this order (x lane-major, the
- * lanes added after) ran slower than these tiles at every row count (107 against 141 GMAC/s at 32
- * rows, 118 against 158 at 256). */
+ * 0.78-1.07x the panels' speed (Zen 4, 2 threads); panels summed in this order (x lane-major, the
+ * lanes added after) ran slower than these tiles at every row count (107 against 138 GMAC/s at 32
+ * rows, 118 against 160 at 256). docs/benchmarks.md, "On AVX-512 BF16". */
 
 enum { DOT_STEP = 32 }; /* bfloat16 values a 512-bit vector holds: one weight line */
 
@@ -111,11 +111,23 @@ static void dot_linear_rows(const uint16_t *xb, int64_t k_pad, const uint16_t *w
 /* `linear_bf16` with bfloat16 activations: the threads split the weight rows as `linear_bf16` does
  * (one tile of x: each thread's whole share in long streams; more: blocks of 48 weight rows that
  * stay in L2 across the tiles of x while the next block streams in). -1 if x's buffer cannot grow
- * (the caller then multiplies in float32). */
+ * (the caller then multiplies in float32, or in batch-invariant mode fails the call). */
 static int dot_linear(const float *x, const uint16_t *w, const float *scale, const float *bias, float *y,
                       int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
     int64_t k_pad = (k_len + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
+    /* A long prefill takes x a slice of rows at a time, so the rounded copy stays in the thread's
+     * kept buffer: rows are independent, and a fresh buffer the call could not get would leave it
+     * to float32 activations, another result. */
+    int64_t slice = SCRATCH_KEPT / (int64_t)(k_pad * sizeof(uint16_t));
+    slice = slice > PANEL ? slice - slice % PANEL : 1;
+    if (m_len > slice) {
+        for (int64_t m0 = 0; m0 < m_len; m0 += slice)
+            if (dot_linear(x + m0 * k_len, w, scale, bias, y + m0 * ldy, m_len - m0 < slice ? m_len - m0 : slice,
+                           n_len, k_len, ldy, threads))
+                return -1;
+        return 0;
+    }
     void *fresh;
     uint16_t *xb = call_scratch(SCRATCH_BF16_ROWS, (size_t)(m_len * k_pad) * sizeof(uint16_t), &fresh);
     if (!xb) return -1;

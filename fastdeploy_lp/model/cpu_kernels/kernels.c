@@ -95,9 +95,9 @@ static inline vec exp_vec(vec x) {
 }
 
 /* The lanes of v added in a halving tree (lane i + lane i + width, width = LANES / 2, ..., 1): log2(LANES)
- * adds, not LANES - 1 in a chain. The batch-invariant kernels (invariant.h, invariant_dot.h) add
- * their lanes in this order, so it is spelled out: GCC compiled the loop form to a store and a
- * dozen scalar loads and adds. */
+ * adds, not LANES - 1 in a chain. `rows_times`, `dot_rows` and invariant.h's packed product all end
+ * in this order, so it is spelled out (GCC compiled the loop form to a store and a dozen scalar
+ * loads and adds); the upper half of 16 lanes is taken as 4 doubles, which needs no AVX512DQ. */
 static inline float lane_sum(vec v) {
 #if LANES == 16
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm256_castpd_ps(_mm512_extractf64x4_pd((__m512d)v, 1)));

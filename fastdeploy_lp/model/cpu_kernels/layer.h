@@ -84,8 +84,8 @@ int fdlp_block_unit_rows(int format) {
 }
 
 /* y[M, N] = x[M, K] @ lin^T (times its row scales, plus its bias), part by part. x is quantized to
- * int16 once if any part is a block format. Returns -1 if the buffer for that could not grow or a
- * part is in a format these kernels do not know. */
+ * int16 once if any part is a block format. Returns -1 if the buffer for that (or, in batch-invariant
+ * mode, for bfloat16 activations) could not grow or a part is in a format these kernels do not know. */
 int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_len, int64_t n_len, int64_t k_len,
                 int threads) {
     xquant_t xq = {NULL, NULL, NULL, k_len, k_len / 32};
@@ -103,11 +103,12 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
     for (int64_t p = 0; p < lin->parts; p++) {
         int64_t rows = lin->rows[p], format = lin->format[p];
         const float *bias = lin->bias ? lin->bias + row : NULL, *scale = lin->scale ? lin->scale + row : NULL;
+        int failed = 0;
         switch (format) {
-            case 0: linear_f32(x, (const float *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
-            case 1: linear_bf16(x, (const uint16_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
-            case 2: linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
-            case 3: linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 0: failed = linear_f32(x, (const float *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 1: failed = linear_bf16(x, (const uint16_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 2: failed = linear_f16(x, (const _Float16 *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
+            case 3: failed = linear_i8(x, (const int8_t *)w, scale, bias, y + row, m_len, rows, k_len, n_len, threads); break;
             default: {
                 const block_kernels_t *kernels = block_kernels(format);
                 if (!kernels) return -1;
@@ -115,6 +116,7 @@ int fdlp_linear(const float *x, const fdlp_linear_t *lin, float *y, int64_t m_le
                     &xq, w, bias, y + row, m_len, rows, k_len, n_len, threads);
             }
         }
+        if (failed) return -1;
         w += format < 100 ? rows * k_len * (format == 0 ? 4 : format == 3 ? 1 : 2)
                           : rows * (k_len / block_elems((int)format)) * block_bytes((int)format);
         row += rows;

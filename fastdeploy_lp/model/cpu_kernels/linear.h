@@ -33,7 +33,7 @@ static inline __attribute__((always_inline)) void NAME(rows_times)(const float *
                                                                    int64_t k_len, int64_t n0, int64_t n1,
                                                                    int64_t ldy, const char *next, int64_t next_lines) {
     enum { WR = WEIGHT_ROWS, AHEAD = 8192 / sizeof(WEIGHT), LINE = 64 / sizeof(WEIGHT) };
-    const int fetch = rows > 1 || GEMV_AHEAD > 0;
+    const int fetch = rows > 1 || GEMV_AHEAD > 0 || next_lines > 0; /* all but a lone row of float32 */
     int64_t k_full = k_len - k_len % LANES, tail = k_len - k_full;
     int64_t stride = (n1 - n0 + WR - 1) / WR; /* row r of a pass is stride rows after row r - 1: long streams */
     /* `next_lines` lines from `next` (the weight block the caller multiplies next) are prefetched
@@ -273,21 +273,24 @@ static int NAME(invariant_linear)(const float *x, const WEIGHT *w, const float *
  * whole triples for rows_times): a GEMV all at once (see PAIRS_BEGIN), several rows of x 48 weight
  * rows at a time so they stay in L2 across x's row tiles. Blocks of 48 dealt out whole gave one of
  * two threads 480 of 896 rows and the call waited for it: the bench model's o and down projections
- * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed. */
-static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
-                         int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
+ * read 7% slower. In batch-invariant mode many rows take `invariant_linear`, the same sums packed
+ * (bfloat16 activations on AVX512_BF16: dot_bf16.h's tiles). Returns 0, or -1 in batch-invariant
+ * mode when dot_bf16.h found no memory (float32 activations would change the result). */
+static int NAME(linear)(const float *x, const WEIGHT *w, const float *scale, const float *bias, float *y,
+                        int64_t m_len, int64_t n_len, int64_t k_len, int64_t ldy, int threads) {
     const int64_t block = 48;
 #ifdef DOT_LINEAR /* the format's own dot product (bfloat16 on AVX512_BF16, dot_bf16.h) */
-    if (bf16_dot && !DOT_LINEAR(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads)) return;
+    if (bf16_dot && !DOT_LINEAR(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads)) return 0;
+    if (bf16_dot && batch_invariant) return -1; /* float32 activations would give other bits than the row alone */
 #endif
 #ifdef PANEL_FLOAT /* float32 weights, many rows: x in panels (xpanel.h) */
     if (!batch_invariant && X_PANELS && m_len >= PANEL_MIN_ROWS &&
         !panel_linear((const uint32_t *)x, k_len, w, scale, bias, y, m_len, n_len, k_len, ldy, threads, 0))
-        return;
+        return 0;
 #endif
     if (batch_invariant && m_len >= INVARIANT_MIN_ROWS && k_len > 0 &&
         !NAME(invariant_linear)(x, w, scale, bias, y, m_len, n_len, k_len, ldy, threads))
-        return;
+        return 0;
 #ifdef SPLIT
     const float *xs = m_len == 1 && !batch_invariant ? permute_x(x, k_len, SPLIT) : NULL;
 #else
@@ -307,6 +310,7 @@ static void NAME(linear)(const float *x, const WEIGHT *w, const float *scale, co
                               PREFETCH_NEXT ? (int64_t)((n2 - n1) * k_len * sizeof(WEIGHT) / 64) : 0);
         }
     }
+    return 0;
 }
 
 #ifdef NARROW /* float32 weights need no widening: Paddle's own ops read them */
