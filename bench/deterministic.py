@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="--speed's weight dtype (LLM(dtype=...))")
     parser.add_argument("--kv-cache-dtype", default="auto", help="--speed's KV cache dtype")
     args = parser.parse_args()
-    report = {"cpu": cpu_line()}
+    report = {"cpu": cpu_line(), "model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     print(report["cpu"])
     if args.mixes:
         print("\n| deterministic | mixes | probe matched alone | mismatched | with preemption | with speculation | seconds |")

@@ -46,13 +46,15 @@ class TensorShard:
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum over the ranks (the partial sums of a row-parallel layer); in place when `x` is
-        contiguous (`linear.linear`'s few-row CPU path gives a transposed view, which is copied).
+        contiguous and the order is not fixed (`linear.linear`'s few-row CPU path gives a transposed
+        view, which is copied).
         With `fixed_order` the parts are gathered and added rank 0 first: a ring all-reduce (gloo's,
         NCCL's) cuts the tensor into chunks by its size and starts each chunk's sum at another rank,
-        so from three ranks up an element's sum could change with the number of rows in the pass."""
+        so from three ranks up an element's sum could change with the number of rows in the pass
+        (two parts are added alike in either order)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        if self.fixed_order:
+        if self.fixed_order and self.size > 2:
             parts: list[paddle.Tensor] = []
             dist.all_gather(parts, x)
             total = parts[0]

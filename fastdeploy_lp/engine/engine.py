@@ -107,7 +107,7 @@ class LLMEngine:
         self.scheduler = SlotScheduler(fd_config.max_num_seqs, self.block_pool, cache.token_budget,
                                        cache.enable_chunked_prefill,
                                        None if fd_config.lora_config is None else fd_config.lora_config.max_loras)
-        self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos)
+        self.sampler = Sampler(fd_config.max_num_seqs, cfg.vocab_size, eos, fd_config.deterministic)
         self.stages = SamplingStages(self.sampler, self.pipeline, self.scheduler.share_inputs)
         spec = fd_config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, self.pipeline, self.scheduler,

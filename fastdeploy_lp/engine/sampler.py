@@ -95,7 +95,10 @@ def _uses_penalties(request: Request) -> bool:
 
 
 class Sampler:
-    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: list[int], deterministic: bool = False):
+        # A deterministic engine measures no dispatch plan (its passes run every op on the kernels),
+        # so its greedy draw takes the kernels' argmax as is: exact, the first index of the largest, as Paddle's.
+        self.deterministic = deterministic
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -206,7 +209,12 @@ class Sampler:
         nothing sensible to sample (NaN, +inf, every token at -inf) fails its request."""
         logits = rows.logits
         on_cpu = logits.dtype == paddle.float32 and logits.place.is_cpu_place()  # what the C argmax takes
-        kernels = cpu_kernels.for_op("argmax", logits.shape[0]) if on_cpu else None
+        if not on_cpu:
+            kernels = None
+        elif self.deterministic:
+            kernels = cpu_kernels.load_if_built()
+        else:
+            kernels = cpu_kernels.for_op("argmax", logits.shape[0])
         if kernels is not None:
             tokens, unusable = kernels.argmax(logits)
         else:

@@ -156,13 +156,12 @@ class ModelRunner:
                 c[:null_rows] = 0
         self.loras = self._load_loras(fd_config, shard)
         self.deterministic = fd_config.deterministic
-        if self.deterministic:  # the passes run every op on the kernels, whatever the plan says
+        if self.deterministic:  # every op on the kernels: no plan to measure
             with batch_invariant_mode(True) as kernels:  # refuses here where the kernels cannot run
                 logger.info("deterministic: batch-invariant CPU kernels for every op (%s, %d floats per vector)",
                             cpu_features.detect().describe(), kernels.lanes)
-        # Measured in both modes: the sampler's argmax runs outside the passes and takes the plan's
-        # choice (exact either way); without a plan it was Paddle's, 0.8 against 0.17 ms a step (Zen 4).
-        cpu_dispatch.prepare(self.model, self.block_size, self.kv_cache_dtype)
+        else:
+            cpu_dispatch.prepare(self.model, self.block_size, self.kv_cache_dtype)
 
     def forward(self, feeds: list[SequenceFeed], fresh_blocks: list[int] = ()) -> paddle.Tensor:
         """Logits `[rows, vocab]` (float32) for the last `num_logits` tokens of the feeds asking for
