@@ -206,8 +206,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto", help="--speed's weight dtype (LLM(dtype=...))")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="--speed's KV cache dtype")
+    parser.add_argument("--dtype", default="auto", help="the engines' weight dtype (LLM(dtype=...))")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engines' KV cache dtype")
     args = parser.parse_args()
     report = {"cpu": cpu_line(), "model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     print(report["cpu"])
@@ -216,7 +216,9 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|---:|")
         for flag in (False, True):
             start = time.perf_counter()
-            rows = run_mixes(flag, args.mixes, args.seed, **({"model": args.model} if args.model else {}))
+            rows = run_mixes(flag, args.mixes, args.seed, **({"model": args.model} if args.model else {}),
+                             **({"dtype": args.dtype} if args.dtype != "auto" else {}),
+                             **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
             took = time.perf_counter() - start
             ok = sum(r["matched"] for r in rows)
             print(f"| {'on' if flag else 'off'} | {len(rows)} | {ok} | {len(rows) - ok} | "
