@@ -57,7 +57,7 @@ def logits_row():
                                     dict(temperature=1.5, top_k=5, top_p=0.8)])
 def test_sampling_distribution_matches_numpy_reference(logits_row, params):
     n = 6000
-    sampler = Sampler(n, V, eos_token_ids=[0])
+    sampler = Sampler(n, V, eos_token_ids=[0], deterministic=False)
     requests = [_request(i, seed=i, **params) for i in range(n)]
     tokens = SamplingStages(sampler).sample(paddle.to_tensor(np.tile(logits_row, (n, 1))), requests).tokens
     freq = np.bincount(tokens, minlength=V) / n
@@ -67,7 +67,7 @@ def test_sampling_distribution_matches_numpy_reference(logits_row, params):
 
 
 def test_penalties_match_reference(logits_row):
-    sampler = Sampler(2, V, eos_token_ids=[0])
+    sampler = Sampler(2, V, eos_token_ids=[0], deterministic=False)
     prompt, output = [1, 2, 2], [3, 3, 4]
     r = _request(0, prompt=prompt, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
     sampler.on_admit(r)
@@ -87,7 +87,7 @@ def test_penalties_match_reference(logits_row):
 def test_min_tokens_stage():
     """EOS and stop tokens are banned until min_tokens. (SamplingParams.logit_bias and bad_words run
     through the built-in processors: test_processors_contract.py checks that stage.)"""
-    sampler = Sampler(2, V, eos_token_ids=[0])
+    sampler = Sampler(2, V, eos_token_ids=[0], deterministic=False)
     r = _request(0, output=[5], min_tokens=2, stop_token_ids=[7], logit_bias={3: 2.5})
     rows = StepRows.of(paddle.zeros([1, V]), [r])
     sampler.min_tokens(rows)
@@ -101,7 +101,7 @@ def test_min_tokens_stage():
 
 
 def test_greedy_rows_take_argmax_and_logprobs_are_normalised(logits_row):
-    sampler = Sampler(2, V, eos_token_ids=[0])
+    sampler = Sampler(2, V, eos_token_ids=[0], deterministic=False)
     rows = [_request(0, temperature=0, logprobs=3), _request(1, temperature=1.0)]
     result = SamplingStages(sampler).sample(paddle.to_tensor(np.stack([logits_row, logits_row])), rows)
     assert result.tokens[0] == int(np.argmax(logits_row))
@@ -122,7 +122,7 @@ def test_greedy_rows_nothing_can_be_drawn_from_fail_and_huge_finite_ones_do_not(
     logits = paddle.to_tensor(np.stack([huge, nan, pos_inf, all_neg_inf, one_left]))
     cpu_kernels.set_mode(kernels)
     try:
-        result = SamplingStages(Sampler(5, V, eos_token_ids=[0])).sample(
+        result = SamplingStages(Sampler(5, V, eos_token_ids=[0], deterministic=False)).sample(
             logits, [_request(slot, temperature=0) for slot in range(5)])
     finally:
         cpu_kernels.set_mode("auto")
@@ -208,7 +208,7 @@ def test_the_two_level_draw_matches_the_distribution_across_buckets():
     vocab = 1300  # three buckets of 512 ids, the last one padded
     logits = np.random.default_rng(1).normal(size=vocab).astype(np.float32) * 1.5
     n = 6000
-    sampler = Sampler(n, vocab, eos_token_ids=[0])
+    sampler = Sampler(n, vocab, eos_token_ids=[0], deterministic=False)
     requests = [_request(i, seed=i, temperature=1.0) for i in range(n)]
     tokens = SamplingStages(sampler).sample(paddle.to_tensor(np.tile(logits, (n, 1))), requests).tokens
     ref = _softmax(logits.astype(np.float64))
@@ -224,7 +224,7 @@ def test_a_rows_draw_ignores_its_neighbours_sampling_options():
     rng = np.random.default_rng(2)
     mine = rng.normal(size=(n, vocab)).astype(np.float32)
     neighbour = rng.normal(size=(n, vocab)).astype(np.float32)
-    sampler = Sampler(2 * n, vocab, eos_token_ids=[0])
+    sampler = Sampler(2 * n, vocab, eos_token_ids=[0], deterministic=False)
     alone = SamplingStages(sampler).sample(paddle.to_tensor(mine), [_request(i, seed=i, temperature=1.0) for i in range(n)]).tokens
     mixed = np.stack([mine, neighbour], axis=1).reshape(2 * n, vocab)
     requests = [r for i in range(n) for r in (_request(2 * i, seed=i, temperature=1.0),
@@ -237,7 +237,7 @@ def test_a_1e_5_change_of_the_logits_rarely_changes_the_draw():
     """Logits of one row can differ by ~1e-5 with its batch or after a preemption (the forward pass
     is not bit-identical); an inverse CDF turned ~1 draw in 1000 into another token."""
     vocab, n, batches = 3072, 2000, 8
-    sampler = Sampler(n, vocab, eos_token_ids=[0])
+    sampler = Sampler(n, vocab, eos_token_ids=[0], deterministic=False)
     rng = np.random.default_rng(3)
     changed = 0
     for b in range(batches):

@@ -61,7 +61,7 @@ def _request(slot, seed, **params):
 
 def test_a_row_whose_sampling_raises_fails_alone_and_the_others_draw_as_without_it(monkeypatch):
     logits = np.random.default_rng(0).normal(size=(3, V)).astype(np.float32)
-    sampler = Sampler(3, V, eos_token_ids=[0])
+    sampler = Sampler(3, V, eos_token_ids=[0], deterministic=False)
     requests = [_request(0, 1, temperature=1.0, top_k=4), _request(1, 13, temperature=1.0), _request(2, 2, logprobs=2)]
     alone = SamplingStages(sampler).sample(paddle.to_tensor(logits[[0, 2]]), [requests[0], requests[2]])
     top_k_top_p = sampler.top_k_top_p
@@ -79,7 +79,7 @@ def test_a_row_whose_sampling_raises_fails_alone_and_the_others_draw_as_without_
 
 
 def test_one_row_whose_sampling_raises_fails_the_pass(monkeypatch):
-    sampler = Sampler(1, V, eos_token_ids=[0])
+    sampler = Sampler(1, V, eos_token_ids=[0], deterministic=False)
     monkeypatch.setattr(sampler, "draw", lambda rows: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         SamplingStages(sampler).sample(paddle.zeros([1, V]), [_request(0, 1)])

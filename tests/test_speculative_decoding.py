@@ -393,7 +393,7 @@ def test_sampled_verification_keeps_the_distribution_chi_square():
     n, p, draft = 4000, np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05]), 4
     requests = [Request(request_id=f"r{i}", prompt_ids=[1, 2], params=SamplingParams(temperature=1.0),
                         detokenizer=_NoText(), args={}, slot=i, seed=1000 + i) for i in range(n)]
-    stages = SamplingStages(Sampler(n, len(p), eos_token_ids=[]))
+    stages = SamplingStages(Sampler(n, len(p), eos_token_ids=[], deterministic=False))
     logits = paddle.to_tensor(np.tile(np.log(p), (2 * n, 1)).astype(np.float32))  # 2 rows per request
     rows = stages.run(StepRows.verify(logits, requests, {i: [draft] for i in range(n)}))
     first = np.array([rows.emitted(i)[0][0] for i in range(n)])

@@ -95,7 +95,7 @@ def _uses_penalties(request: Request) -> bool:
 
 
 class Sampler:
-    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: list[int], deterministic: bool = False):
+    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: list[int], deterministic: bool):
         # A deterministic engine measures no dispatch plan (its passes run every op on the kernels),
         # so its greedy draw takes the kernels' argmax as is: exact, the first index of the largest, as Paddle's.
         self.deterministic = deterministic
