@@ -216,9 +216,8 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|---:|")
         for flag in (False, True):
             start = time.perf_counter()
-            rows = run_mixes(flag, args.mixes, args.seed, **({"model": args.model} if args.model else {}),
-                             **({"dtype": args.dtype} if args.dtype != "auto" else {}),
-                             **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
+            rows = run_mixes(flag, args.mixes, args.seed, model=args.model, dtype=args.dtype,
+                             kv_cache_dtype=args.kv_cache_dtype)
             took = time.perf_counter() - start
             ok = sum(r["matched"] for r in rows)
             print(f"| {'on' if flag else 'off'} | {len(rows)} | {ok} | {len(rows) - ok} | "
